@@ -1,0 +1,1 @@
+"""Triton kernels of the lab, one per file; imported as ``labkit.kernels``."""

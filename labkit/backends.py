@@ -1,0 +1,142 @@
+"""A registry of named decode backends with one call and capability rules as data.
+
+    backend = get("fp8_native")                 # best implementation available here
+    out = backend.decode(q_nope, q_pe, pool, layer, batch, sm_scale)   # [B, H, 512]
+
+Names are ``<path>.<impl>``: the path says what is done to the FP8 pool (``full_pool_cast``,
+``gather_cast``, ``fp8_native``, or ``bf16_pool``: a 16-bit kernel on a pool already in BF16, the
+best case a BF16 kernel can have), the implementation says by what (``torch``, ``triton``, ...).
+A backend refuses before any launch, with a ``ValueError``, what its rules do not allow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import torch_paths
+from .kvpool import DecodeBatch, KVPool
+
+PATHS = ("full_pool_cast", "gather_cast", "fp8_native", "bf16_pool")
+ALL_PAGE_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    path: str
+    impl: str
+    fn: Callable = field(repr=False)
+    kv_dtypes: tuple = ("fp8_e4m3", "bf16")
+    min_capability: tuple | None = None  # CUDA (major, minor); None: no CUDA needed
+    runs_on_cpu: bool = True
+    page_sizes: tuple = ALL_PAGE_SIZES
+    max_heads: int = 128
+    kernel: str = ""  # what does the attention, as the study names it
+    note: str = ""
+
+    def check(self, q_nope: torch.Tensor, pool: KVPool) -> None:
+        """Raise ``ValueError`` naming the rule that this call breaks; nothing is launched."""
+        dev = pool.device
+        if pool.kv_dtype not in self.kv_dtypes:
+            raise ValueError(
+                f"backend {self.name!r} ({self.kernel or self.impl}) takes KV dtypes {list(self.kv_dtypes)}, "
+                f"got {pool.dtype} (kv_dtype={pool.kv_dtype!r}); use a backend that reads it, e.g. 'fp8_native'"
+            )
+        if dev.type == "cpu" and not self.runs_on_cpu:
+            raise ValueError(f"backend {self.name!r} needs a CUDA device; the pool is on the CPU")
+        if dev.type == "cuda" and self.min_capability:
+            cc = torch.cuda.get_device_capability(dev)
+            if cc < self.min_capability:
+                raise ValueError(
+                    f"backend {self.name!r} needs compute capability >= {self.min_capability}, "
+                    f"{torch.cuda.get_device_name(dev)} has {cc}"
+                )
+        if pool.page_size not in self.page_sizes:
+            raise ValueError(f"backend {self.name!r}: page_size={pool.page_size}; allowed {list(self.page_sizes)}")
+        if q_nope.shape[1] > self.max_heads:
+            raise ValueError(f"backend {self.name!r}: {q_nope.shape[1]} heads; allowed 1..{self.max_heads}")
+
+    def decode(self, q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+        """q_nope [B, H, 512] bf16, q_pe [B, H, 64] bf16 -> out [B, H, 512] bf16."""
+        self.check(q_nope, pool)
+        return self.fn(q_nope, q_pe, pool, layer, batch, sm_scale)
+
+
+REGISTRY: dict[str, Backend] = {}
+UNAVAILABLE: dict[str, str] = {}  # name -> why it is not registered here
+_IMPL_ORDER = ("triton", "torch")  # what ``get(path)`` prefers
+
+
+def register(backend: Backend) -> Backend:
+    REGISTRY[backend.name] = backend
+    UNAVAILABLE.pop(backend.name, None)
+    return backend
+
+
+def get(name: str, device: str | torch.device | None = None) -> Backend:
+    """A backend by full name (``fp8_native.torch``) or by path (best implementation for ``device``)."""
+    _load_optional()
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name in UNAVAILABLE:
+        raise ValueError(f"backend {name!r} is not available here: {UNAVAILABLE[name]}")
+    if name in PATHS:
+        for impl in _IMPL_ORDER:
+            b = REGISTRY.get(f"{name}.{impl}")
+            if b and (device is None or torch.device(device).type == "cuda" or b.runs_on_cpu):
+                return b
+    raise ValueError(f"backend {name!r} is unknown; allowed: {sorted(REGISTRY) + list(PATHS)}")
+
+
+def names(path: str | None = None) -> list[str]:
+    _load_optional()
+    return [n for n, b in REGISTRY.items() if path is None or b.path == path]
+
+
+def capability_table() -> list[dict]:
+    """One row per backend, registered or not: the rules a notebook prints."""
+    _load_optional()
+    rows = []
+    for b in REGISTRY.values():
+        rows.append(dict(backend=b.name, path=b.path, impl=b.impl, kernel=b.kernel,
+                         kv_dtypes=",".join(b.kv_dtypes),
+                         min_capability="-" if b.min_capability is None else "%d.%d" % b.min_capability,
+                         cpu=b.runs_on_cpu, page_sizes=_span(b.page_sizes), max_heads=b.max_heads,
+                         available=True, note=b.note))
+    for n, why in UNAVAILABLE.items():
+        rows.append(dict(backend=n, path=n.split(".")[0], impl=n.split(".", 1)[-1], available=False, note=why))
+    return rows
+
+
+def _span(sizes) -> str:
+    return ",".join(map(str, sizes)) if len(sizes) <= 3 else f"{min(sizes)}..{max(sizes)} (powers of 2)"
+
+
+_loaded = False
+
+
+def _load_optional() -> None:
+    """Register implementations that need optional packages (Triton kernels, peers) once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in ("labkit.triton_paths", "labkit.peers"):
+        try:
+            __import__(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:  # the module exists but something it needs does not
+                UNAVAILABLE[mod.rsplit(".", 1)[-1]] = f"import failed: {e}"
+
+
+register(Backend("full_pool_cast.torch", "full_pool_cast", "torch", torch_paths.full_pool_cast,
+                 kernel="torch .to() + torch attention", note="casts the whole layer each call"))
+register(Backend("gather_cast.torch", "gather_cast", "torch", torch_paths.gather_cast,
+                 kernel="torch index + .to() + torch attention"))
+register(Backend("fp8_native.torch", "fp8_native", "torch", torch_paths.fp8_native, kv_dtypes=("fp8_e4m3",),
+                 kernel="torch tiles, fp32 widen per tile"))
+register(Backend("bf16_pool.torch", "bf16_pool", "torch",
+                 lambda qn, qp, pool, layer, batch, s: torch_paths.attend_16bit(qn, qp, pool.layer(layer), batch, s),
+                 kv_dtypes=("bf16",), kernel="torch attention, 16-bit KV only"))
