@@ -66,6 +66,12 @@ class Backend:
 
 REGISTRY: dict[str, Backend] = {}
 UNAVAILABLE: dict[str, str] = {}  # name -> why it is not registered here
+_UNAVAILABLE_PATH: dict[str, tuple] = {}  # name -> (path, impl) of a backend that is not here
+
+
+def mark_unavailable(name: str, path: str, impl: str, reason: str) -> None:
+    UNAVAILABLE[name] = reason
+    _UNAVAILABLE_PATH[name] = (path, impl)
 _IMPL_ORDER = ("triton", "torch")  # what ``get(path)`` prefers
 
 
@@ -106,7 +112,8 @@ def capability_table() -> list[dict]:
                          cpu=b.runs_on_cpu, page_sizes=_span(b.page_sizes), max_heads=b.max_heads,
                          available=True, note=b.note))
     for n, why in UNAVAILABLE.items():
-        rows.append(dict(backend=n, path=n.split(".")[0], impl=n.split(".", 1)[-1], available=False, note=why))
+        path, impl = _UNAVAILABLE_PATH.get(n, (n.split(".")[0], n.split(".", 1)[-1]))
+        rows.append(dict(backend=n, path=path, impl=impl, available=False, note=why))
     return rows
 
 
