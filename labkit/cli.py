@@ -1,0 +1,99 @@
+"""The ``labkit`` command. One function per subcommand adds its parser and sets ``func``.
+
+    labkit run                           # every notebook, profile picked from the device
+    labkit run 01 03 --profile gpu-seed -p pool_tokens 262144 -p context_lens '[4096, 8192]'
+    labkit run --dry-run                 # check and print the parameters, run nothing
+    labkit profiles                      # the profiles and what they set
+
+A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+EXIT_USAGE = 2
+
+
+def parse_value(text: str):
+    """A ``-p`` value as a YAML/JSON literal (``8``, ``null``, ``[1, 2]``, ``uniform:1:9``)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _fail(command: str, message: str, code: int = EXIT_USAGE) -> int:
+    print(f"labkit {command}: error: {message}", file=sys.stderr)
+    return code
+
+
+# -- labkit run -------------------------------------------------------------------------------
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="execute the notebooks into a new run folder under data/runs/")
+    p.add_argument("notebooks", nargs="*", help="numbers or names (01 03); default: all")
+    p.add_argument("--profile", help="named parameter set (labkit profiles); default: from the device")
+    p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="override one parameter; VALUE is a YAML/JSON literal")
+    p.add_argument("--out", help="folder that receives the run folder (default data/runs)")
+    p.add_argument("--dry-run", action="store_true", help="check and print the parameters only")
+    p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args, argv) -> int:
+    from . import runner
+
+    overrides = {name: parse_value(value) for name, value in args.param}
+    try:
+        plan = runner.plan(args.notebooks, args.profile, overrides)
+    except ValueError as e:
+        return _fail("run", str(e))
+    plan.command = "labkit " + shlex.join(argv)
+    if args.dry_run:
+        print(json.dumps(dict(profile=plan.profile, notebooks=[nb.stem for nb in plan.notebooks],
+                              params=plan.params), indent=1))
+        return 0
+    try:
+        run_dir = runner.execute(plan, **({"base": args.out} if args.out else {}),
+                                 progress=not args.no_progress)
+    except runner.NotebookFailed as e:
+        return _fail("run", str(e), code=1)
+    print(run_dir)
+    return 0
+
+
+# -- labkit profiles --------------------------------------------------------------------------
+def add_profiles(sub) -> None:
+    p = sub.add_parser("profiles", help="list the parameter profiles")
+    p.set_defaults(func=cmd_profiles)
+
+
+def cmd_profiles(args, argv) -> int:
+    from . import profiles
+
+    print(f"defaults (the notebooks' parameters cells): {json.dumps(profiles.DEFAULTS)}")
+    for name, over in profiles.PROFILES.items():
+        print(f"{name}: {json.dumps(over)}")
+    return 0
+
+
+SUBCOMMANDS = [add_run, add_profiles]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="labkit", description="The FP8 KV-cache decode lab.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    args = parser.parse_args(argv)
+    return args.func(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

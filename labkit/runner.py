@@ -1,0 +1,142 @@
+"""Run the notebooks with papermill into a new run folder ``data/runs/<timestamp>-<device>/``.
+
+    p = plan(["01", "03"], profile="cpu-small", overrides={"pool_tokens": 32768})   # checks only
+    run_dir = execute(p)                                                         # heavy work
+
+``plan`` validates everything and touches no file, so a bad parameter leaves nothing behind.
+``execute`` writes the executed notebooks, the records and figures the notebooks save, the
+resolved parameters (``params.json``) and the report as HTML. A notebook that fails stops the run;
+the folder is renamed ``<name>-failed`` and keeps the partial executed notebook.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import profiles
+from .config import DATA_DIR, resolve_device
+
+NOTEBOOKS_DIR = DATA_DIR.parent / "notebooks"
+RUNS_DIR = DATA_DIR / "runs"
+REPORT = "04_report"
+
+
+class NotebookFailed(RuntimeError):
+    def __init__(self, notebook: str, cell: int, source: str, error: str, run_dir: Path):
+        first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
+        super().__init__(
+            f"{notebook} failed in cell {cell} (`{first[:60]}`): {error}; partial notebook kept in {run_dir}"
+        )
+        self.notebook, self.cell, self.run_dir = notebook, cell, run_dir
+
+
+@dataclass
+class Plan:
+    notebooks: list  # [Path]
+    params: dict
+    profile: str
+    device_tag: str
+    command: str = field(default="")
+
+
+def notebooks() -> list[Path]:
+    return sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def select(names=()) -> list[Path]:
+    """All notebooks, or those named by number (``01``) or stem (``01_profile_full_pool_cast``)."""
+    every = notebooks()
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        stem = Path(name).stem
+        hits = [nb for nb in every if nb.stem == stem or nb.stem.split("_")[0] == stem]
+        if not hits:
+            raise ValueError(f"notebook {name!r} is unknown; allowed: {[nb.stem.split('_')[0] for nb in every]}")
+        chosen += [nb for nb in hits if nb not in chosen]
+    return sorted(chosen)
+
+
+def plan(names=(), profile: str | None = None, overrides: dict | None = None) -> Plan:
+    """Everything ``execute`` needs, validated; raises ``ValueError`` (one line) on a bad input."""
+    overrides = dict(overrides or {})
+    for name in profiles.SET_BY_RUNNER:
+        if name in overrides:
+            raise ValueError(f"{name} is set by labkit run (a new folder under {RUNS_DIR}); do not pass it")
+    chosen = select(names)
+    if profile is None:
+        profile = profiles.default_profile(overrides.get("device", "auto"))
+    params = profiles.resolve(profile, overrides)
+    return Plan(chosen, params, profile, device_tag(params["device"]))
+
+
+def device_tag(device: str = "auto") -> str:
+    """``cpu`` or the GPU's name as a slug (``nvidia-h200``)."""
+    device = resolve_device(device)
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(torch.device(device)).lower()).strip("-")
+
+
+def new_run_dir(base: Path, tag: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1, 100):
+        path = base / (f"{stamp}-{tag}" if i == 1 else f"{stamp}-{tag}-{i}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a new run folder under {base}")
+
+
+def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=None) -> Path:
+    """Execute the planned notebooks into a new run folder; returns its path."""
+    import papermill as pm
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    run_dir = new_run_dir(Path(base).resolve(), p.device_tag)
+    (run_dir / "params.json").write_text(json.dumps(
+        dict(profile=p.profile, notebooks=[nb.stem for nb in p.notebooks], params=p.params, command=p.command),
+        indent=1))
+    log(f"run folder {run_dir} (profile {p.profile})")
+    for i, nb in enumerate(p.notebooks, 1):
+        out = run_dir / nb.name
+        declared = pm.inspect_notebook(str(nb))
+        params = {k: v for k, v in {**p.params, "run_dir": str(run_dir)}.items() if k in declared}
+        log(f"[{i}/{len(p.notebooks)}] {nb.stem}")
+        t0 = time.perf_counter()
+        try:
+            pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name="python3",
+                                progress_bar=progress, cwd=str(nb.parent))
+        except pm.PapermillExecutionError as e:
+            failed = run_dir.with_name(run_dir.name + "-failed")
+            run_dir.rename(failed)
+            raise NotebookFailed(nb.name, e.cell_index, e.source, f"{e.ename}: {e.evalue}", failed) from None
+        except BaseException:
+            run_dir.rename(run_dir.with_name(run_dir.name + "-failed"))
+            raise
+        log(f"      {nb.stem} done in {time.perf_counter() - t0:.1f} s")
+        if nb.stem == REPORT:
+            html = export_html(out)
+            log(f"      report: {html}")
+    return run_dir
+
+
+def export_html(notebook: Path) -> Path:
+    """The executed notebook as one HTML page beside it, code cells hidden."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True
+                           ).from_notebook_node(nbformat.read(notebook, as_version=4))
+    html = notebook.with_suffix(".html")
+    html.write_text(body, encoding="utf-8")
+    return html
