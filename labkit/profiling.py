@@ -1,0 +1,179 @@
+"""Where one decode step's time goes: cast / gather / attention / merge / other, from torch.profiler.
+
+    df = profile_decode_step(backend, q_nope, q_pe, pool, batch, sm_scale, trace_path=run / "trace.json")
+
+On CUDA the times are kernel durations on the device (CUDA activity); on the CPU they are the
+wall times of the top-level aten ops (CPU activity; Python overhead between ops is not counted).
+``df.attrs["activity"]`` says which.
+
+How work is attributed (first rule that applies; see ``categorize``):
+1. an enclosing ``torch.profiler.record_function`` range named cast, gather, attention or merge;
+2. work launched by an aten op inside a Python function listed in ``SCOPES`` (e.g. every op of
+   ``attend_16bit``, the fp32 widening of q and rows included, is attention);
+3. the aten op: ``to``/``_to_copy``/``copy_`` of floating data -> cast, ``index``/``gather`` ->
+   gather, matmul/softmax/exp ops -> attention;
+4. a kernel launched from Python (Triton) by its name: *merge* -> merge, *cast*/fp8_to_bf16/dequant
+   -> cast, *gather* -> gather, *mla*/decode/attn -> attention;
+5. anything else -> other.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .results import atomic_write_with
+
+CATEGORIES = ("cast", "gather", "attention", "merge", "other")
+STEP_RANGE = "labkit.decode_step"
+# Python functions whose whole body is one stage of the decode (labkit.torch_paths, labkit.reference).
+SCOPES = {"attend_16bit": "attention", "fp8_native": "attention", "mla_decode": "attention"}
+_ATEN_RULES = (  # (category, op names), for aten ops outside any scope
+    ("cast", {"aten::to", "aten::_to_copy", "aten::copy_"}),
+    ("gather", {"aten::index", "aten::gather", "aten::index_select", "aten::take", "aten::embedding"}),
+    ("attention", {"aten::mm", "aten::bmm", "aten::matmul", "aten::addmm", "aten::baddbmm", "aten::einsum",
+                   "aten::softmax", "aten::_softmax", "aten::exp", "aten::logsumexp",
+                   "aten::scaled_dot_product_attention"}),
+)
+_KERNEL_RULES = (  # (category, regex), for kernels and custom ops not launched by aten ops
+    ("merge", re.compile(r"merge", re.I)),
+    ("cast", re.compile(r"cast|fp8_to_bf16|to_bf16|dequant", re.I)),
+    ("gather", re.compile(r"gather", re.I)),
+    ("attention", re.compile(r"mla|decode|attn|attention|flash", re.I)),
+)
+
+
+def categorize(name: str, dtype: str | None = None, scopes=(), annotations=()) -> str:
+    """Category of work named ``name`` (an aten op, or a kernel when no aten op launched it).
+
+    dtype: the op's first input dtype as the profiler spells it (``c10::Float8_e4m3fn``, ``int``);
+    scopes: names of the enclosing Python functions; annotations: enclosing record_function names;
+    both innermost first.
+    """
+    for a in annotations:
+        if a in CATEGORIES[:-1]:
+            return a
+    if name.startswith("aten::"):
+        for f in scopes:
+            if f in SCOPES:
+                return SCOPES[f]
+        for cat, ops in _ATEN_RULES:
+            if name in ops:
+                return "other" if cat == "cast" and not _floating(dtype) else cat
+        return "other"
+    for cat, pat in _KERNEL_RULES:
+        if pat.search(name):
+            return cat
+    return next((SCOPES[f] for f in scopes if f in SCOPES), "other")
+
+
+def _floating(dtype: str | None) -> bool:
+    """Profiler dtype strings: float, double, c10::Half, c10::BFloat16, c10::Float8_*; None: unknown."""
+    return dtype is None or dtype in ("float", "double") or dtype.startswith(("c10::Half", "c10::BFloat16", "c10::Float8"))
+
+
+# -- walking the profiler's event tree --------------------------------------------------------------
+def _ancestors(e):
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def _is_op(e) -> bool:
+    return e.device_type == DeviceType.CPU and not e.is_python_function and not e.is_user_annotation
+
+
+def _context(e) -> tuple[object, list[str], list[str], bool]:
+    """For the CPU event ``e``: its outermost aten op (or None), enclosing Python function names,
+    enclosing record_function names (innermost first), and whether it ran inside the step range."""
+    top, scopes, notes = (e if _is_op(e) and e.name.startswith("aten::") else None), [], []
+    for a in _ancestors(e):
+        if a.is_python_function:
+            scopes.append(a.name.rsplit(": ", 1)[-1])
+        elif a.is_user_annotation or a.name == STEP_RANGE:
+            notes.append(a.name)
+        elif a.name.startswith("aten::"):
+            top = a
+    return top, scopes, notes, STEP_RANGE in notes
+
+
+def _first_dtype(op) -> str | None:
+    dts = getattr(op, "input_dtypes", None) or []
+    return dts[0] if dts and dts[0] else None
+
+
+def _cpu_rows(events) -> list[tuple[str, float]]:
+    """(category, ms) per top-level aten op inside the step range."""
+    rows = []
+    for e in events:
+        if not _is_op(e) or not e.name.startswith("aten::"):
+            continue
+        top, scopes, notes, inside = _context(e)
+        if inside and top is e:
+            rows.append((categorize(e.name, _first_dtype(e), scopes, notes), e.cpu_time_total / 1e3))
+    return rows
+
+
+def _cuda_rows(events) -> list[tuple[str, float]]:
+    """(category, ms) per device kernel, memcpy or memset launched inside the step range."""
+    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id > 0}
+    rows = []
+    for k in events:
+        if k.device_type != DeviceType.CUDA:
+            continue
+        launch = launches.get(k.id)
+        if launch is None:
+            continue
+        top, scopes, notes, inside = _context(launch)
+        if inside:
+            name, dtype = (top.name, _first_dtype(top)) if top is not None else (k.name, None)
+            rows.append((categorize(name, dtype, scopes, notes), k.time_range.elapsed_us() / 1e3))
+    return rows
+
+
+def _table(rows, activity: str) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=["category", "device_ms"])
+    g = df.groupby("category")["device_ms"].agg(["sum", "count"]).reindex(list(CATEGORIES), fill_value=0)
+    total = float(g["sum"].sum())
+    out = pd.DataFrame({"category": list(CATEGORIES), "device_ms": g["sum"].astype(float).values,
+                        "calls": g["count"].astype(int).values})
+    out["share"] = out.device_ms / total if total else 0.0
+    out.loc[len(out)] = dict(category="total", device_ms=total, calls=int(out.calls.sum()), share=1.0)
+    out = out[["category", "device_ms", "share", "calls"]]
+    out.attrs.update(activity=activity, total_ms=total)
+    return out
+
+
+def profile_decode_step(backend, q_nope, q_pe, pool, batch, sm_scale: float, layers=None,
+                        trace_path=None, warmup: int = 1) -> pd.DataFrame:
+    """Profile ``backend.decode`` over the layers of one step (all of the pool's by default; an int
+    n means the first n; or a list of layer ids). Returns a DataFrame (category, device_ms, share,
+    calls) with rows cast, gather, attention, merge, other and total; ``device_ms`` sums the step.
+    Writes the Chrome trace to ``trace_path`` when given (atomically)."""
+    ids = range(pool.num_layers) if layers is None else range(layers) if isinstance(layers, int) else list(layers)
+    cuda = pool.device.type == "cuda"
+
+    def step():
+        with record_function(STEP_RANGE):
+            for i in ids:
+                backend.decode(q_nope, q_pe, pool, i, batch, sm_scale)
+        if cuda:
+            torch.cuda.synchronize(pool.device)
+
+    for _ in range(warmup):
+        step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+        step()
+    events = prof.events()
+    df = _table(_cuda_rows(events) if cuda else _cpu_rows(events), "cuda" if cuda else "cpu")
+    if trace_path is not None:
+        atomic_write_with(Path(trace_path), lambda tmp: prof.export_chrome_trace(str(tmp)))
+    df.attrs.update(layers=len(ids), backend=getattr(backend, "name", str(backend)),
+                    trace_path=str(trace_path) if trace_path else None)
+    return df

@@ -1,0 +1,131 @@
+"""Timing a callable the same way everywhere: warm-up, many repeats, median with 20th/80th percentiles.
+
+CUDA: ``triton.testing.do_bench`` (device events, L2 flushed before every timed run) or
+``do_bench_cudagraph`` (replays of a captured graph, no flush), or a plain event loop when the
+flush is turned off. CPU: ``time.perf_counter`` around each call, no cache flush; those figures
+are marked ``device="cpu"`` and only show shapes and trends, never GPU speed.
+
+    t = bench(lambda: backend.decode(q_nope, q_pe, pool, 0, batch, sm_scale))
+    t.median_ms, t.p20_ms, t.p80_ms, t.us
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+MAX_REPS = 10_000  # cap on timed calls when a call is too fast to estimate
+_clock = time.perf_counter  # seconds; tests swap in a fake clock
+
+
+@dataclass
+class Timing:
+    """Statistics of one benchmark, in milliseconds per call."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    mean_ms: float
+    n: int  # timed samples
+    device: str  # "cuda" or "cpu"
+    method: str  # "cuda-events", "cuda-graph" or "perf_counter"
+
+    @property
+    def us(self) -> float:
+        """Median in microseconds."""
+        return self.median_ms * 1e3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def quantile(xs, q: float) -> float:
+    """The ``q`` quantile of ``xs`` with linear interpolation (numpy's default, as Triton uses)."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("quantile of no samples")
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(times_ms, device: str, method: str) -> Timing:
+    """Timing from per-call samples in milliseconds."""
+    times = [float(t) for t in times_ms]
+    med, p20, p80 = (quantile(times, q) for q in QUANTILES)
+    return Timing(med, p20, p80, statistics.fmean(times), len(times), device, method)
+
+
+def _cpu_times(fn, warmup_ms: float, rep_ms: float, min_reps: int) -> list[float]:
+    """Per-call wall times (ms): warm up for ``warmup_ms`` (>= 1 call, the first one included),
+    then ``rep_ms`` worth of calls, at least ``min_reps``."""
+    warm = []
+    while not warm or sum(warm) < warmup_ms:
+        t0 = _clock()
+        fn()
+        warm.append((_clock() - t0) * 1e3)
+    est = warm[-1]  # the latest warm call: first-call costs are behind it
+    n = MAX_REPS if est <= 0 else int(rep_ms / est)
+    times = []
+    for _ in range(min(max(n, min_reps), MAX_REPS)):
+        t0 = _clock()
+        fn()
+        times.append((_clock() - t0) * 1e3)
+    return times
+
+
+def _event_times(fn, warmup_ms: float, rep_ms: float, min_reps: int) -> list[float]:
+    """do_bench's loop without the L2 flush: events around each call, warm-up first."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-6)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = min(max(min_reps, int(rep_ms / est)), MAX_REPS)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def _do_bench_times(fn, warmup_ms: float, rep_ms: float, min_reps: int) -> list[float]:
+    """``triton.testing.do_bench`` samples (L2 flushed before each), topped up to ``min_reps``."""
+    from triton.testing import do_bench
+
+    times = list(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
+    while len(times) < min_reps:  # a slow call: ask for just enough more time to get the rest
+        need = (min_reps - len(times)) * statistics.median(times) * 1.5
+        times += do_bench(fn, warmup=0, rep=need, return_mode="all")
+    return times
+
+
+def bench(fn, *, warmup_ms: float = 25, rep_ms: float = 100, flush_l2: bool = True,
+          cuda_graph: bool = False, device=None, min_reps: int = 3) -> Timing:
+    """Time ``fn()`` (no arguments). ``device`` None: CUDA when available, else CPU.
+
+    CUDA work must be on the current device of ``device``. ``cuda_graph`` captures ``fn`` in a
+    graph (it must be capturable) and never flushes L2; on the CPU both flags are ignored.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda":
+        return summarize(_cpu_times(fn, warmup_ms, rep_ms, min_reps), "cpu", "perf_counter")
+    with torch.cuda.device(dev):
+        if cuda_graph:
+            from triton.testing import do_bench_cudagraph
+
+            return summarize(do_bench_cudagraph(fn, rep=rep_ms, return_mode="all"), "cuda", "cuda-graph")
+        sampler = _do_bench_times if flush_l2 else _event_times
+        return summarize(sampler(fn, warmup_ms, rep_ms, min_reps), "cuda", "cuda-events")
