@@ -12,7 +12,7 @@ from __future__ import annotations
 from .config import LabParams
 
 PAGE_SIZE = 64
-SEED_POOL_TOKENS = 495_000 // PAGE_SIZE * PAGE_SIZE  # 494,976: the study's 495K pool in whole pages
+SEED_POOL_TOKENS = -(-495_000 // PAGE_SIZE) * PAGE_SIZE  # 495,040: the study's 495K pool in whole pages
 IMPLS = ("auto", "torch", "triton", "seed")  # auto: seed/triton on a GPU, torch on a CPU
 
 DEFAULTS = dict(
@@ -34,7 +34,7 @@ DEFAULTS = dict(
 
 PROFILES = {
     "cpu-small": dict(
-        pool_tokens=16384, batch_size=4, context_lens=1024, warmup_ms=10, rep_ms=50,
+        pool_tokens=16384, batch_size=4, context_lens=1024, warmup_ms=20, rep_ms=150,
         pool_sweep=[4096, 16384, 65536, 131072], batch_sweep=[1, 4, 8, 12, 16],
         context_sweep=[256, 1024, 4096], sweep_batch=4, sweep_context=1024,
     ),

@@ -10,7 +10,9 @@ the folder is renamed ``<name>-failed`` and keeps the partial executed notebook.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -99,14 +101,38 @@ def new_run_dir(base: Path, tag: str) -> Path:
 
 def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=None) -> Path:
     """Execute the planned notebooks into a new run folder; returns its path."""
-    import papermill as pm
-
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))  # sys.stderr looked up per call
     run_dir = new_run_dir(Path(base).resolve(), p.device_tag)
     (run_dir / "params.json").write_text(json.dumps(
         dict(profile=p.profile, notebooks=[nb.stem for nb in p.notebooks], params=p.params, command=p.command),
         indent=1))
-    log(f"run folder {run_dir} (profile {p.profile})")
+    log(f"run folder {run_dir} (profile {p.profile}); kernel messages go to kernels.log there")
+    with _stderr_to(run_dir / "kernels.log"):
+        _execute_all(p, run_dir, progress, log)
+    return run_dir
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path):
+    """Kernels started inside inherit file descriptor 2 pointed at ``path``; this process keeps
+    writing its own messages (and papermill's progress bar) to the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    terminal, sys.stderr = sys.stderr, os.fdopen(os.dup(saved), "w", buffering=1)
+    try:
+        yield
+    finally:
+        sys.stderr.close()
+        sys.stderr = terminal
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _execute_all(p: Plan, run_dir: Path, progress: bool, log) -> None:
+    import papermill as pm
+
     for i, nb in enumerate(p.notebooks, 1):
         out = run_dir / nb.name
         declared = pm.inspect_notebook(str(nb))
@@ -127,7 +153,6 @@ def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=Non
         if nb.stem == REPORT:
             html = export_html(out)
             log(f"      report: {html}")
-    return run_dir
 
 
 def export_html(notebook: Path) -> Path:

@@ -2,7 +2,7 @@
 
     lab = Lab.build(LabParams.make(model="glm5", tp_size=4, ...), run_dir, warmup_ms=25, rep_ms=100)
     rows = side_by_side(lab, ["full_pool_cast", "gather_cast", "fp8_native"], impl="auto", ceilings=c)
-    save(lab, rows, "03_paths")            # records into the run folder (labkit.results)
+    lab.save(rows, "03_paths")             # records into the run folder (labkit.results)
 
 Times are of ONE layer (layer 0) unless a column says otherwise; a decode step is ``layers`` of
 them plus the rest of the model (labkit.stepmodel). Every row names its shape: pool_tokens,
@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from . import backends, reference
-from .config import DATA_DIR, LabParams
+from .config import DATA_DIR, KV_BYTES, LabParams
 from .kvpool import DecodeBatch, KVPool, batch_for_pool, make_queries, random_pool
 
 INTERACTIVE_RUN = DATA_DIR / "runs" / "interactive"  # where notebooks run by hand record
@@ -69,6 +69,12 @@ class Lab:
                     heads=self.q_nope.shape[1], tokens_read=self.batch.num_tokens,
                     context_len=self.batch.max_len, kv_dtype=self.pool.kv_dtype)
 
+    def summary(self) -> str:
+        s, p = self.shape(), self.p
+        return (f"{p.model}: {self.pool.num_layers} layers x {s['pool_tokens']:,}-token pool ({self.pool.num_pages:,} pages "
+                f"of {p.page_size}, {s['kv_dtype']}), batch {s['batch_size']} x up to {s['context_len']:,} tokens = "
+                f"{s['tokens_read'] / s['pool_tokens']:.1%} of the pool, {s['heads']} heads per GPU, on {self.device}")
+
     def case(self, pool_tokens: int | None = None, lens=None, heads: int | None = None) -> "Lab":
         """The same lab with a one-layer pool of ``pool_tokens``, other context lengths or heads."""
         c, p = self.p.cfg, self.p
@@ -92,6 +98,9 @@ class Lab:
 
     def decode(self, backend, layer: int = 0):
         return backend.decode(self.q_nope, self.q_pe, self.pool, layer, self.batch, self.sm_scale)
+
+    def save(self, rows, name: str) -> Path:
+        return save(rows, self.run_dir, name, self.p)
 
 
 def pick(path: str, impl: str = "auto", device: str = "cpu") -> backends.Backend:
@@ -126,7 +135,7 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
         s = lab.shape()
         row.update(achieved(backend.path, t.median_ms, ceilings, pool_tokens=s["pool_tokens"],
                             tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"], heads=s["heads"],
-                            batch=s["batch_size"]))
+                            batch=s["batch_size"]), copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops)
     return row
 
 
@@ -144,7 +153,7 @@ def compare_outputs(lab: Lab, names: list[str]) -> pd.DataFrame:
         b = backends.get(name)
         out = _on(lab, b).decode(b)
         first = out if first is None else first
-        rows.append(dict(backend=name, rel_err=reference.rel_err(out, ref), bitwise_equal_to_first=torch.equal(out, first),
+        rows.append(dict(path=b.path, backend=name, impl=b.impl, rel_err=reference.rel_err(out, ref), bitwise_equal_to_first=torch.equal(out, first),
                          max_abs_diff_to_first=float((out.float() - first.float()).abs().max())))
     return pd.DataFrame(rows)
 
@@ -163,7 +172,7 @@ def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto"
         rows.append(time_backend(
             on, b, ceilings, rel_err=err, extra_bytes=extra_memory(lambda: on.decode(b), lab.device),
             predicted_extra_bytes=predicted_extra_bytes(path, s["pool_tokens"], s["tokens_read"], s["batch_size"],
-                                                        s["heads"], s["kv_dtype"])))
+                                                        s["heads"], s["kv_dtype"]), experiment="paths"))
     return pd.DataFrame(rows)
 
 
@@ -213,18 +222,180 @@ def speedup(df: pd.DataFrame, x: str, base: str = "full_pool_cast", new: str = "
     return t.assign(speedup=t[base] / t[new]).reset_index()
 
 
-def save(lab: Lab, rows, name: str) -> Path:
-    """Write rows (DataFrame or dicts with TIMING_KEYS) as records ``<run_dir>/<name>.parquet``,
-    replacing an earlier file of that name; each record carries the run's parameters."""
+def save(rows, run_dir, name: str, p: LabParams | None = None) -> Path:
+    """Write rows (a DataFrame or dicts, timing keys optional) as records ``<run_dir>/<name>.parquet``,
+    replacing an earlier file of that name; with ``p`` each record carries the run's parameters
+    and the device's environment."""
     from . import results
 
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
-    env = results.env_info(lab.device)
+    env = results.env_info(p.device) if p is not None else {}
     recs = []
     for r in rows:
-        timing = [r.get(k, float("nan")) for k in TIMING_KEYS]
+        timing = [r.get(k, "" if k in TIMING_KEYS[:3] else float("nan")) for k in TIMING_KEYS]
         extra = {k: v for k, v in r.items() if k not in TIMING_KEYS}
-        params = {k: v for k, v in lab.p.as_dict().items() if k not in extra}
+        params = {k: v for k, v in p.as_dict().items() if k not in extra} if p is not None else {}
         recs.append(results.make_record(*timing, params=params, device_env=env, **extra))
-    (lab.run_dir / f"{name}.parquet").unlink(missing_ok=True)
-    return results.write_records(lab.run_dir, recs, name)
+    (Path(run_dir) / f"{name}.parquet").unlink(missing_ok=True)
+    return results.write_records(run_dir, recs, name)
+
+
+def records_of(df: pd.DataFrame, experiment: str) -> pd.DataFrame:
+    """The records of one experiment (empty if there are none)."""
+    return df[df.experiment == experiment] if "experiment" in df else df.iloc[:0]
+
+
+# -- the setup: shape and memory as configured ------------------------------------------------------
+def describe(p: LabParams) -> pd.DataFrame:
+    """The model shape, the pool and the batch as configured: (quantity, value)."""
+    c, kv_bytes = p.cfg, KV_BYTES[p.kv_dtype]
+    read = sum(p.lens)
+    rows = [("model", c.hf_id or c.name), ("layers (of the model)", f"{p.layers} ({c.num_hidden_layers})"),
+            ("heads per GPU", f"{p.heads} = {c.num_attention_heads} / tp {p.tp_size}"),
+            ("KV row per token per layer", f"{c.kv_dim} = ckv {c.kv_lora_rank} + kpe {c.qk_rope_head_dim} values"),
+            ("KV dtype", f"{p.kv_dtype} ({kv_bytes} B per value)"), ("sm_scale", f"{c.sm_scale:.4g}"),
+            ("pool tokens per layer", f"{p.pool_tokens:,} = {p.num_pages:,} pages x {p.page_size}"),
+            ("pool per layer", f"{p.pool_tokens * c.kv_dim * kv_bytes / 2**20:,.1f} MiB"),
+            ("pool, all layers", f"{p.pool_bytes / 2**30:,.2f} GiB"),
+            ("batch", f"{p.batch_size} requests, contexts {min(p.lens):,}..{max(p.lens):,} tokens"),
+            ("tokens read per layer (L)", f"{read:,} = {read / p.pool_tokens:.1%} of the pool")]
+    return pd.DataFrame(rows, columns=["quantity", "value"])
+
+
+def memory_table(p: LabParams) -> pd.DataFrame:
+    """Bytes each path allocates per layer beyond the pool (labkit.memory), beside the pool itself."""
+    from .config import _device_memory_bytes
+    from .memory import predicted_extra_bytes
+
+    total = _device_memory_bytes(p.device) or float("nan")
+    read = sum(-(-n // p.page_size) for n in p.lens) * p.page_size  # a gather copies whole pages
+    rows = []
+    for path in MAIN_PATHS:
+        extra = predicted_extra_bytes(path, p.pool_tokens, read, p.batch_size, p.heads, p.kv_dtype)
+        rows.append(dict(path=path, predicted_extra_bytes=extra, extra_mib=extra / 2**20,
+                         pool_gib=p.pool_bytes / 2**30, share_of_device=(p.pool_bytes + extra) / total))
+    return pd.DataFrame(rows)
+
+
+# -- profiles of the decode step ----------------------------------------------------------------------
+def profile_step(lab: Lab, backend, layers=None) -> pd.DataFrame:
+    """labkit.profiling's breakdown of one decode step (all the pool's layers) as rows with timing keys."""
+    from .profiling import profile_decode_step
+
+    df = profile_decode_step(backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale, layers=layers)
+    return df.assign(path=backend.path, backend=backend.name, impl=backend.impl, median_ms=df.device_ms,
+                     p20_ms=df.device_ms, p80_ms=df.device_ms, activity=df.attrs["activity"],
+                     layers_profiled=df.attrs["layers"], **lab.shape())
+
+
+def share(profile: pd.DataFrame, category: str = "cast") -> float:
+    return float(profile.set_index("category").loc[category, "share"])
+
+
+def cast_share_sweep(lab: Lab, sizes, backend) -> pd.DataFrame:
+    """Per one-layer pool size: the path's time and the profiler's cast / attention split."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for n in tqdm(sizes, desc="pool sweep", unit="point"):
+        case = lab.case(pool_tokens=n)
+        prof = profile_step(case, backend).set_index("category")
+        rows.append(time_backend(case, backend, experiment="cast_share_sweep", swept=n,
+                                 **{f"{c}_ms": prof.loc[c, "device_ms"] for c in ("cast", "gather", "attention")},
+                                 cast_share=prof.loc["cast", "share"]))
+    return pd.DataFrame(rows)
+
+
+def break_even(sp: pd.DataFrame, x: str = "read_fraction"):
+    """The smallest ``x`` at which the speedup is 1 or less; None if it pays everywhere swept."""
+    lost = sp[sp.speedup <= 1]
+    return None if lost.empty else float(lost[x].min())
+
+
+# -- the report: from recorded runs to a decode step ------------------------------------------------
+SEED_TOK_S = {"full_pool_cast": 10.5, "gather_cast": 13.5}  # the study's single stream
+
+
+def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
+    """Decode step and tok/s per path and run from the recorded side-by-side (``paths`` rows).
+
+    step = model layers x (path ms - bf16_pool ms) + rest: what each path adds to a BF16 kernel
+    on a BF16 pool, with the rest of the step (the attention kernel included) from the seed.
+    Without a bf16_pool row the path's whole time counts (an upper bound on the step).
+    """
+    from .config import load_model
+    from .stepmodel import predict, rest_from_seed
+
+    rest = rest_from_seed() if rest_ms is None else rest_ms
+    tables = []
+    for run, d in records_of(df, "paths").groupby("run"):
+        d = d.sort_values("env_timestamp").groupby("path").last()
+        base = d.median_ms.get("bf16_pool", 0.0)
+        layers = load_model(d.model.iloc[0]).num_hidden_layers
+        paths = [p for p in MAIN_PATHS if p in d.index]
+        t = predict({p: d.median_ms[p] - base for p in paths}, layers, rest)
+        tables.append(t.assign(run=run, device=d.env_device_name.iloc[0], ms_per_layer=d.median_ms[paths].values,
+                               layers=layers, rest_ms=rest, seed_tok_s=[SEED_TOK_S.get(p) for p in paths],
+                               rel_err=d.rel_err[paths].values))
+    cols = ["run", "device", "path", "ms_per_layer", "layers", "rest_ms", "step_ms", "tok_s", "seed_tok_s", "rel_err"]
+    return pd.concat(tables)[cols].reset_index(drop=True) if tables else pd.DataFrame(columns=cols)
+
+
+# -- figures (each returns the axes; save with labkit.plots.savefig(ax.figure, ...)) ---------------
+def _axes(ax=None, size=(6, 3.6)):
+    import matplotlib.pyplot as plt
+
+    return ax if ax is not None else plt.subplots(figsize=size)[1]
+
+
+def plot_cast_share(sw: pd.DataFrame, ax=None):
+    """Cast and attention ms per layer against pool size, with the cast's share on the right."""
+    ax = _axes(ax)
+    ax.plot(sw.pool_tokens, sw.cast_ms, "o-", label="cast")
+    ax.plot(sw.pool_tokens, sw.attention_ms, "s-", label="attention")
+    ax.set(xscale="log", yscale="log", xlabel="pool tokens per layer", ylabel="ms per layer (profiled)")
+    right = ax.twinx()
+    right.plot(sw.pool_tokens, 100 * sw.cast_share, "k:", label="cast share")
+    right.set(ylabel="cast share of the layer (%)", ylim=(0, 100))
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"the cast grows with the pool ({sw.tokens_read.iloc[0]:,} tokens read)")
+    return ax
+
+
+def plot_speedup(sp: pd.DataFrame, x: str, xlabel: str, ax=None, logx: bool = False):
+    """gather_cast's speedup over full_pool_cast against ``x``; 1 = break-even."""
+    ax = _axes(ax)
+    ax.plot(sp[x], sp.speedup, "o-")
+    ax.axhline(1, color="grey", ls=":")
+    ax.set(xlabel=xlabel, ylabel="speedup of gather_cast (x)", title="gather-then-cast against the whole-pool cast")
+    if logx:
+        ax.set_xscale("log")
+    return ax
+
+
+def plot_paths(paths: pd.DataFrame, ax=None):
+    """One layer's time per path, labelled with % of the roofline where known."""
+    ax = _axes(ax)
+    ax.barh(paths.backend, paths.median_ms * 1e3, xerr=[(paths.median_ms - paths.p20_ms) * 1e3,
+                                                          (paths.p80_ms - paths.median_ms) * 1e3])
+    if "pct_roofline" in paths:
+        for y, (us, pct) in enumerate(zip(paths.median_ms * 1e3, paths.pct_roofline)):
+            ax.annotate(f" {pct:.0f}% of roofline", (us, y), va="center", fontsize=8)
+    ax.set(xscale="log", xlabel="time per layer (us, median; bars p20..p80)", ylabel="backend",
+           title=f"{paths.batch_size.iloc[0]} x {paths.context_len.iloc[0]:,} tokens, pool {paths.pool_tokens.max():,}")
+    return ax
+
+
+def plot_tok_s(steps: pd.DataFrame, ax=None):
+    """Modelled tokens/s per path beside the seed's measured figures."""
+    import numpy as np
+
+    ax = _axes(ax)
+    x = np.arange(len(steps))
+    ax.bar(x - 0.2, steps.tok_s, 0.4, label="this lab (decode-step model)")
+    ax.bar(x + 0.2, steps.seed_tok_s.astype(float).fillna(0), 0.4, label="seed (measured)")
+    many = steps.run.nunique() > 1
+    ax.set_xticks(x, [f"{p}\n{d}" if many else p for p, d in zip(steps.path, steps.device)], fontsize=8)
+    ax.set(xlabel="decode path", ylabel="tokens/s, one stream", title="decode step model: tokens per second")
+    ax.legend(fontsize=8)
+    return ax
