@@ -1,0 +1,84 @@
+"""Gather the pages a batch reads from an FP8 pool and widen them to BF16, in one fused pass.
+
+The output is the compact pool of the batch: its page j is the pool's page ``kv_indices[j]``, so
+the batch reads it through ``batch.compact()`` (kv_indices = arange(nnz)).
+Bytes moved: nnz * page_size * D * (1 read + 2 written); no FLOPs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_cast_kernel(
+    kv_ptr,  # *fp8e4nv [num_pages, page_size, D]; a page is PAGE_ELEMS contiguous values
+    idx_ptr,  # *i32 [nnz] page ids
+    out_ptr,  # *bf16 [nnz, page_size, D], contiguous
+    nnz,  # pages to gather
+    stride_page,  # kv_buffer.stride(0), in elements
+    PAGE_ELEMS: tl.constexpr,  # page_size * D
+    ROWS: tl.constexpr,  # pages per program
+    BLOCK_C: tl.constexpr,  # values per page per program; divides PAGE_ELEMS
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output page
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] value within a page
+    cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_C), BLOCK_C)
+    rmask = rows < nnz
+    page = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)  # [ROWS]
+    src = kv_ptr + (page * stride_page)[:, None] + cols[None, :]
+    dst = out_ptr + (rows.to(tl.int64) * PAGE_ELEMS)[:, None] + cols[None, :]
+    x = tl.load(src, mask=rmask[:, None], eviction_policy="evict_first")
+    tl.store(dst, x.to(tl.bfloat16), mask=rmask[:, None])
+
+
+def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int = 8192,
+                num_warps: int = 8) -> torch.Tensor:
+    """``kv_buffer[kv_indices].to(torch.bfloat16)`` in one pass.
+
+    Parameters
+    ----------
+    kv_buffer : torch.Tensor
+        [num_pages, page_size, D] ``torch.float8_e4m3fn``; each page contiguous (page stride free).
+    kv_indices : torch.Tensor
+        [nnz] ``torch.int32`` page ids, each in [0, num_pages) (not checked on the device).
+    tile, num_warps : tuning (values per program, a power of two; warps per program).
+
+    Returns
+    -------
+    torch.Tensor
+        kv_bf16 [nnz, page_size, D] ``torch.bfloat16``. Moves nnz * page_size * D * 3 B; no FLOPs.
+    """
+    if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.dim() != 3:
+        raise ValueError(f"kv_buffer must be a 3-D tensor [num_pages, page_size, D], got "
+                         f"{getattr(kv_buffer, 'shape', type(kv_buffer).__name__)}")
+    if kv_buffer.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_buffer has dtype {kv_buffer.dtype}; gather_cast takes torch.float8_e4m3fn")
+    num_pages, page_size, D = kv_buffer.shape
+    if kv_buffer.stride(2) != 1 or kv_buffer.stride(1) != D:
+        raise ValueError(f"kv_buffer: each page must be contiguous (strides {tuple(kv_buffer.stride())})")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"kv_buffer: page_size={page_size} must be a power of two")
+    if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
+        raise ValueError("kv_indices must be a 1-D tensor [nnz]")
+    if kv_indices.dtype != torch.int32:
+        raise ValueError(f"kv_indices has dtype {kv_indices.dtype}; expected torch.int32")
+    if kv_indices.device != kv_buffer.device:
+        raise ValueError(f"kv_indices is on {kv_indices.device}, kv_buffer on {kv_buffer.device}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile={tile}: must be a power of two >= 16")
+    nnz = kv_indices.numel()
+    out = torch.empty(nnz, page_size, D, dtype=torch.bfloat16, device=kv_buffer.device)
+    if nnz == 0:
+        return out
+    page_elems = page_size * D
+    block_c = page_elems & -page_elems  # the largest power of two dividing a page: no column masks
+    block_c = min(block_c, tile)
+    rows = max(1, tile // block_c)
+    grid = (triton.cdiv(nnz, rows), page_elems // block_c)
+    _gather_cast_kernel[grid](
+        kv_buffer, kv_indices.contiguous(), out, nnz, kv_buffer.stride(0),
+        PAGE_ELEMS=page_elems, ROWS=rows, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out

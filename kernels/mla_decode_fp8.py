@@ -1,0 +1,391 @@
+"""Paged absorbed-MLA decode reading FP8 (e4m3) KV pages directly: dequantized in registers.
+
+The same split-KV decode as ``mla_decode`` (stage 2 is ``mla_merge``), but the pages stay FP8 in
+memory: each tile is loaded as FP8 (16-byte loads) and widened in registers; there is no 16-bit
+copy of KV anywhere. The per-tensor scales never touch the tile: ``k_scale`` is folded into the
+softmax scale and ``v_scale`` into the output, so the widening is exact.
+
+Variants (constexpr, chosen by the launcher; ``scripts/gpu_kernels.py`` times them side by side):
+  CVT      how an FP8 tile is widened for the 16-bit dots:
+           0 "f32"  fp8 -> fp32 and fp32 dots (the CPU interpreter: its 16-bit dots are wrong)
+           1 "f16"  ``.to(fp16)`` (native cvt on sm_89+); Triton moves it after the shared-memory
+                    load, so p @ v reads the FP8 tile byte by byte (LDS.U8) and converts twice
+           2 "asm"  the same cvt as non-pure inline PTX: converted once, in registers, and the
+                    fp16 tile goes through shared memory to ldmatrix (no byte loads)
+           3 "bf16" ``.to(bf16)``: the study's obvious kernel, for comparison
+  Q_FP8    q quantized to FP8 (per-tensor q_scale, by torch in the launcher) and the scores
+           computed by an FP8 tl.dot (the trtllm_mla path; wgmma QGMMA with SWAP): ~3e-2 rel. error
+  PV_FP8   p * 256 quantized to FP8 and p @ v by an FP8 tl.dot (GPU only)
+  SWAP     0: s = q @ K^T (heads on the MMA's M side: mma.sync for BLOCK_H < 64);
+           1: s^T = K @ q^T (tokens on M: wgmma for few heads); 2: also out^T = V^T @ p^T
+  PREFETCH load tile i + 1 into registers while tile i is computed (Triton's own pipeliner keeps a
+           single shared-memory buffer for these tiles and waits for it at the top of each tile)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mla_decode import (D_CKV, D_KPE, LOG2E, check_decode_args, default_num_splits, pick_block_h)
+from .mla_merge import mla_merge
+
+CVT_MODES = {"f32": 0, "f16": 1, "asm": 2, "bf16": 3}
+P_SCALE = 256.0  # PV_FP8: p in [0, 1] is stored as p * 256 in e4m3 (max 448): normal down to 6e-5
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _widen(x, CVT: tl.constexpr):
+    """An FP8 tile in the dtype of the dots; see CVT in the module docstring."""
+    if CVT == 0:
+        return x.to(tl.float32)
+    elif CVT == 1:
+        return x.to(tl.float16)
+    elif CVT == 3:
+        return x.to(tl.bfloat16)
+    else:  # 2 "asm": the same cvt as inline PTX; not pure, so Triton cannot move it past the
+        # shared-memory load (fp8 in smem would then be read byte by byte for p @ v)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+            is_pure=False, pack=4)
+
+
+@triton.jit
+def _widen_words(w):
+    """[N, M] int32, each 4 FP8 values (little-endian) -> [N, 4 * M] fp16, converted in registers."""
+    a, b, c, d = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        .reg .b32 t0, t1;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 t0, lo;
+        cvt.rn.f16x2.e4m3x2 t1, hi;
+        mov.b32 {$0, $1}, t0;
+        mov.b32 {$2, $3}, t1;
+        }""",
+        constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+    x = tl.join(tl.join(a, c), tl.join(b, d))  # join adds the LAST dim: [m, j // 2, j % 2] = byte j
+    return tl.reshape(x, [w.shape[0], 4 * w.shape[1]])
+
+
+@triton.jit
+def _words_to_fp8(w):
+    """[N, M] int32 -> [N, 4 * M] fp8 e4m3 (byte j of word m is value 4 m + j)."""
+    b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # join adds the LAST dim: [m, j // 2, j % 2] = byte j
+    return tl.reshape(x, [w.shape[0], 4 * w.shape[1]])
+
+
+@triton.jit
+def _load_words(kvw_ptr, kv_indices_ptr, page_base, n0, end, stride_page_w, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Tokens n0 .. n0 + BLOCK_N of a request as int32 words (4 FP8 values each): ckv [BLOCK_N, 128],
+    kpe [BLOCK_N, 16], and the mask of tokens < end. A packed tile stays 1 register per 4 values
+    across loop iterations (an FP8 tile carried by the loop would take one register per value)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < end
+    if PAGE >= BLOCK_N:
+        page = tl.load(kv_indices_ptr + page_base + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+        rows = page * stride_page_w + (offs_n % PAGE) * 144
+    else:
+        page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE, mask=nmask, other=0)
+        rows = page.to(tl.int64) * stride_page_w + (offs_n % PAGE) * 144
+    wc = tl.arange(0, 128)
+    wp = tl.arange(0, 16)
+    ckw = tl.load(kvw_ptr + rows[:, None] + wc[None, :], mask=nmask[:, None], other=0)
+    kpw = tl.load(kvw_ptr + rows[:, None] + 128 + wp[None, :], mask=nmask[:, None], other=0)
+    return ckw, kpw, nmask
+
+
+@triton.jit
+def _tile_rows(kv_indices_ptr, page_base, n0, end, stride_page, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row offsets (elements) of tokens n0 .. n0 + BLOCK_N of a request, and which are < end."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < end
+    if PAGE >= BLOCK_N:  # the tile lies in one page
+        page = tl.load(kv_indices_ptr + page_base + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+        rows = page * stride_page + (offs_n % PAGE) * 576
+    else:
+        page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE, mask=nmask, other=0)
+        rows = page.to(tl.int64) * stride_page + (offs_n % PAGE) * 576
+    return rows, nmask
+
+
+@triton.jit
+def _mla_decode_fp8_kernel(
+    q_nope_ptr,  # *[B, H, 512] fp16/bf16 (fp8 when Q_FP8); last dim contiguous
+    q_pe_ptr,  # *[B, H, 64]
+    kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576]; a token row is 576 contiguous bytes
+    kv_indptr_ptr,  # *i32 [B + 1]
+    kv_indices_ptr,  # *i32 [nnz] page ids
+    kv_lens_ptr,  # *i32 [B]
+    o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
+    lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
+    qk_scale,  # sm_scale * k_scale * log2(e) (* q_scale when Q_FP8)
+    out_scale,  # v_scale (/ 256 when PV_FP8); DIRECT only
+    H,
+    num_splits,  # S
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_page,  # kv.stride(0), in elements (= bytes)
+    stride_o_b, stride_o_h,
+    PAGE: tl.constexpr,  # page_size
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    BLOCK_H: tl.constexpr,  # heads per program (>= 16)
+    DIRECT: tl.constexpr,  # one split: write the final output and natural-log lse
+    CVT: tl.constexpr,  # 0 f32 | 1 f16 | 2 asm | 3 bf16
+    Q_FP8: tl.constexpr,  # scores by an FP8 dot
+    PV_FP8: tl.constexpr,  # p @ v by an FP8 dot
+    SWAP: tl.constexpr,  # 0: q @ K^T, p @ V; 1: scores as K @ q^T; 2: also out^T = V^T @ p^T
+    PREFETCH: tl.constexpr,  # load tile i + 1 into registers while tile i is computed
+):
+    DC: tl.constexpr = 512
+    DP: tl.constexpr = 64
+    b = tl.program_id(0)
+    hblk = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    hmask = heads < H
+    dc = tl.arange(0, DC)
+    dp = tl.arange(0, DP)
+
+    seq_len = tl.load(kv_lens_ptr + b)
+    page_base = tl.load(kv_indptr_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    if SWAP == 0:  # [BLOCK_H, 512], [BLOCK_H, 64]
+        q_n = tl.load(q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h + dc[None, :],
+                      mask=hmask[:, None], other=0.0)
+        q_p = tl.load(q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h + dp[None, :],
+                      mask=hmask[:, None], other=0.0)
+    else:  # q^T: [512, BLOCK_H], [64, BLOCK_H]
+        q_n = tl.load(q_nope_ptr + b * stride_qn_b + heads[None, :] * stride_qn_h + dc[:, None],
+                      mask=hmask[None, :], other=0.0)
+        q_p = tl.load(q_pe_ptr + b * stride_qp_b + heads[None, :] * stride_qp_h + dp[:, None],
+                      mask=hmask[None, :], other=0.0)
+    if CVT == 0:
+        if not Q_FP8:
+            q_n = q_n.to(tl.float32)
+            q_p = q_p.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if SWAP == 2:
+        acc = tl.zeros([DC, BLOCK_H], dtype=tl.float32)  # out^T
+    else:
+        acc = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+    if PREFETCH:
+        kvw_ptr = kv_ptr.to(tl.pointer_type(tl.int32))
+        ckw_nx, kpw_nx, nmask_nx = _load_words(kvw_ptr, kv_indices_ptr, page_base, start, end, stride_page // 4,
+                                               PAGE, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            ckw = ckw_nx
+            kpw = kpw_nx
+            nmask = nmask_nx
+            ckw_nx, kpw_nx, nmask_nx = _load_words(kvw_ptr, kv_indices_ptr, page_base, n0 + BLOCK_N, end,
+                                                   stride_page // 4, PAGE, BLOCK_N)
+            if Q_FP8 or PV_FP8 or CVT != 2:
+                ckv8 = _words_to_fp8(ckw)
+                kpe8 = _words_to_fp8(kpw)
+            if CVT == 2:
+                c16 = _widen_words(ckw)
+                if not Q_FP8:
+                    k_p = _widen_words(kpw)
+            else:
+                c16 = _widen(ckv8, CVT)
+                if not Q_FP8:
+                    k_p = _widen(kpe8, CVT)
+        else:
+            rows, nmask = _tile_rows(kv_indices_ptr, page_base, n0, end, stride_page, PAGE, BLOCK_N)
+            ckv8 = tl.load(kv_ptr + rows[:, None] + dc[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 512]
+            kpe8 = tl.load(kv_ptr + rows[:, None] + DC + dp[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 64]
+            if not (Q_FP8 and PV_FP8):
+                c16 = _widen(ckv8, CVT)
+            if not Q_FP8:
+                k_p = _widen(kpe8, CVT)
+
+        if Q_FP8:  # fp8 x fp8 scores
+            k_n = ckv8
+            k_p = kpe8
+        else:
+            k_n = c16
+        if PV_FP8:
+            v = ckv8
+        else:
+            v = c16
+
+        if SWAP == 2:  # tokens on the rows: s^T [BLOCK_N, BLOCK_H], out^T [512, BLOCK_H]
+            s = tl.dot(k_n, q_n) + tl.dot(k_p, q_p)
+            s = tl.where(nmask[:, None], s * qk_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
+        else:
+            if SWAP == 1:
+                s = tl.trans(tl.dot(k_n, q_n) + tl.dot(k_p, q_p))  # [BLOCK_H, BLOCK_N]
+            else:
+                s = tl.dot(q_n, tl.trans(k_n)) + tl.dot(q_p, tl.trans(k_p))
+            s = tl.where(nmask[None, :], s * qk_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if PV_FP8:
+                pv = tl.dot((p * 256.0).to(tl.float8e4nv), v)
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.maximum(l_i, 1e-30)
+    inv = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
+    if SWAP == 2:
+        acc = tl.trans(acc)
+    if DIRECT:
+        out = acc * (inv * out_scale)[:, None]
+        tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+        tl.store(lse_ptr + b * H + heads, lse, mask=hmask)
+    else:
+        row = (b * H + heads) * num_splits + split
+        tl.store(o_ptr + row[:, None] * DC + dc[None, :], acc * inv[:, None], mask=hmask[:, None])
+        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf"))
+        tl.store(lse_ptr + row, lse2, mask=hmask)
+
+
+def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor):
+    """Per-tensor e4m3 quantization of the query (torch): returns (q_nope8, q_pe8, q_scale)."""
+    amax = torch.maximum(q_nope.abs().amax(), q_pe.abs().amax()).float().clamp_min(1e-12)
+    q_scale = amax / E4M3_MAX  # device scalar: no host sync
+    qn8 = (q_nope.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    qp8 = (q_pe.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return qn8, qp8, q_scale
+
+
+def default_config(H: int, on_gpu: bool) -> dict:
+    """Tuning picked per head count (see docs/perf-notes.md for the measurements behind it)."""
+    if not on_gpu:
+        return dict(cvt="f32", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=128,
+                    num_warps=4, num_stages=1)
+    if H > 32:  # compute-bound side: wgmma needs 64 heads on M
+        return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=True, block_n=64,
+                    num_warps=8, num_stages=1)
+    return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=True, block_n=64,
+                num_warps=4, num_stages=1)
+
+
+def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
+                   v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
+                   q_fp8: bool | None = None, cvt: str | None = None, pv_fp8: bool | None = None,
+                   swap: int | None = None, prefetch: bool | None = None, block_n: int | None = None,
+                   block_h: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   max_len: int | None = None):
+    """Paged absorbed-MLA decode over an FP8 e4m3 pool, dequantizing in registers.
+
+    Parameters
+    ----------
+    q_nope : [B, H, 512] bf16 or fp16 (H in 1..128), last dim contiguous.
+    q_pe : [B, H, 64], same dtype.
+    kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, real = stored * k_scale; page_size a
+        power of two 1..128; token rows contiguous.
+    kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 page ids; kv_lens : [B] int32.
+    sm_scale : softmax scale. k_scale : per-tensor scale of the pool, folded into the scores.
+    v_scale : scale of V, folded into the output; defaults to k_scale (ckv is both K and V).
+    num_splits : splits per request (None: fill the GPU). return_lse : also return lse.
+    q_fp8 : quantize q to FP8 (torch, per tensor) and compute the scores with an FP8 dot
+        (~3e-2 relative error against the exact result).
+    cvt, pv_fp8, swap, prefetch : kernel variant (module docstring); None takes ``default_config``.
+        On the CPU (Triton interpreter) cvt is "f32" and pv_fp8 False whatever is asked.
+    block_n, block_h, num_warps, num_stages, max_len : tuning; max_len (the longest kv_lens)
+        saves a device->host read when num_splits is None.
+
+    Returns
+    -------
+    out : [B, H, 512] q dtype; with ``return_lse`` also lse : [B, H] float32, natural log of
+        sum_j exp(sm_scale * k_scale * (q_nope . ckv_j + q_pe . kpe_j)).
+
+    Cost: reads L*576 B of KV (L = sum kv_lens) + queries; 2*H*L*(576+512) FLOPs; with S > 1
+    splits, B*H*S*513*4 B of partials written and read back by ``mla_merge``.
+    """
+    B, H, page_size = check_decode_args("mla_decode_fp8", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices,
+                                        kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
+    dev = q_nope.device
+    on_gpu = dev.type == "cuda"
+    cfg = default_config(H, on_gpu)
+    given = dict(cvt=cvt, q_fp8=q_fp8, pv_fp8=pv_fp8, swap=swap, prefetch=prefetch, block_n=block_n,
+                 num_warps=num_warps, num_stages=num_stages)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    if not on_gpu:
+        cfg.update(cvt="f32", pv_fp8=False)  # the interpreter's 16-bit dots and f32->fp8 casts are wrong
+    if cfg["cvt"] not in CVT_MODES:
+        raise ValueError(f"mla_decode_fp8: cvt={cfg['cvt']!r}; allowed {list(CVT_MODES)}")
+    if cfg["swap"] not in (0, 1, 2):
+        raise ValueError(f"mla_decode_fp8: swap={cfg['swap']!r}; allowed 0, 1, 2")
+    if cfg["pv_fp8"] and cfg["swap"] == 2:
+        raise ValueError("mla_decode_fp8: pv_fp8 needs swap 0 or 1 (an FP8 wgmma cannot read V^T)")
+    block_n = cfg["block_n"]
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"mla_decode_fp8: block_n={block_n}: must be a power of two >= 16")
+    if v_scale is None:
+        v_scale = k_scale
+    cvt_id = CVT_MODES[cfg["cvt"]]
+    block_h = pick_block_h(H, block_h)
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits is None:
+        if max_len is None:
+            max_len = int(kv_lens.max()) if B else 0
+        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev)
+    if num_splits < 1:
+        raise ValueError(f"mla_decode_fp8: num_splits={num_splits} must be >= 1")
+
+    qk_scale = float(sm_scale) * float(k_scale) * LOG2E
+    out_scale = float(v_scale) / (P_SCALE if cfg["pv_fp8"] else 1.0)
+    if cfg["q_fp8"]:
+        qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe)
+        qk_scale = qk_scale * float(q_scale)  # one small sync; a serving loop keeps q_scale on the host
+    elif cvt_id in (1, 2):
+        qn, qp = q_nope.to(torch.float16), q_pe.to(torch.float16)
+    elif cvt_id == 3:
+        qn, qp = q_nope.to(torch.bfloat16), q_pe.to(torch.bfloat16)
+    else:
+        qn, qp = q_nope, q_pe
+
+    direct = num_splits == 1 or B == 0
+    if direct:
+        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)
+        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+        o_buf, lse_buf = out, lse
+        if B == 0:
+            return (out, lse) if return_lse else out
+    else:
+        o_buf = torch.empty(B, H, num_splits, D_CKV, dtype=torch.float32, device=dev)
+        lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
+    _mla_decode_fp8_kernel[(B, head_blocks, num_splits)](
+        qn, qp, kv_buffer, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
+        qk_scale, out_scale, H, num_splits,
+        qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv_buffer.stride(0),
+        o_buf.stride(0), o_buf.stride(1),
+        PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct,
+        CVT=cvt_id, Q_FP8=bool(cfg["q_fp8"]), PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
+        PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not direct:
+        out, lse = mla_merge(o_buf, lse_buf, q_nope.dtype, out_scale)
+    return (out, lse) if return_lse else out

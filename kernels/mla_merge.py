@@ -1,0 +1,94 @@
+"""Merge the split-KV partial results of an MLA decode by log-sum-exp (flash-decoding stage 2).
+
+Used by ``mla_decode`` and ``mla_decode_fp8``. Split s of request b holds, per head,
+o_s = sum_j p_j v_j / sum_j p_j (normalised) and lse2_s = log2(sum_j exp2(qk_scale * s_j)),
+-inf for an empty split. Then out = v_scale * sum_s w_s o_s with w_s = 2^(lse2_s - lse2),
+lse2 = log2(sum_s 2^lse2_s), and lse (natural log) = lse2 * ln 2.
+Bytes: B*H*S*(512 + 1)*4 read, B*H*(512*out bytes + 4) written; ~2*B*H*S*512 FLOPs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_out_ptr,  # *f32 [B, H, S, DV], contiguous
+    part_lse_ptr,  # *f32 [B, H, S] log2 of each split's sum of exp2, contiguous
+    out_ptr,  # *q dtype [B, H, DV]
+    lse_ptr,  # *f32 [B, H] natural log
+    H,
+    stride_ob,  # out.stride(0)
+    stride_oh,  # out.stride(1)
+    out_scale,  # v_scale (and any fold-in factor)
+    NUM_SPLITS: tl.constexpr,
+    S_POW2: tl.constexpr,  # next power of two >= NUM_SPLITS
+    DV: tl.constexpr,  # 512
+    BLOCK_H: tl.constexpr,  # heads per program
+):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    hmask = heads < H
+    bh = b * H + heads  # [BLOCK_H] row of [B*H]
+    splits = tl.arange(0, S_POW2)
+    lse2 = tl.load(part_lse_ptr + bh[:, None] * NUM_SPLITS + splits[None, :],
+                   mask=hmask[:, None] & (splits[None, :] < NUM_SPLITS), other=-float("inf"))
+    m = tl.max(lse2, 1)  # [BLOCK_H]
+    m_safe = tl.where(m == -float("inf"), 0.0, m)  # an empty request: every split -inf
+    w = tl.exp2(lse2 - m_safe[:, None])  # [BLOCK_H, S_POW2], 0 for empty splits
+    total = tl.sum(w, 1)  # [BLOCK_H]
+    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    dv = tl.arange(0, DV)
+    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        ws = tl.sum(tl.where(splits[None, :] == s, w, 0.0), 1)  # [BLOCK_H] weight of split s
+        o = tl.load(part_out_ptr + (bh[:, None] * NUM_SPLITS + s) * DV + dv[None, :],
+                    mask=hmask[:, None] & (ws[:, None] > 0), other=0.0)  # [BLOCK_H, DV]
+        acc += ws[:, None] * o
+    acc = acc * (inv * out_scale)[:, None]
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    lse = tl.where(total > 0, (m_safe + tl.log2(total)) * 0.6931471805599453, -float("inf"))
+    tl.store(lse_ptr + bh, lse, mask=hmask)
+
+
+def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype,
+              out_scale: float = 1.0, *, block_h: int = 16, num_warps: int = 4):
+    """Merge split-KV partials.
+
+    Parameters
+    ----------
+    part_out : torch.Tensor
+        [B, H, S, DV] ``torch.float32`` contiguous, each split's normalised output (unwritten
+        splits must have part_lse = -inf).
+    part_lse : torch.Tensor
+        [B, H, S] ``torch.float32`` contiguous, log2 of each split's softmax denominator.
+    out_dtype : dtype of the output (the query's).
+    out_scale : float multiplied into the output (v_scale).
+
+    Returns
+    -------
+    (out [B, H, DV] ``out_dtype``, lse [B, H] ``torch.float32``, natural log).
+    """
+    if part_out.dim() != 4 or part_out.dtype != torch.float32 or not part_out.is_contiguous():
+        raise ValueError(f"part_out must be a contiguous float32 [B, H, S, DV] tensor, got "
+                         f"{tuple(part_out.shape)} {part_out.dtype}")
+    B, H, S, DV = part_out.shape
+    if part_lse.shape != (B, H, S) or part_lse.dtype != torch.float32 or not part_lse.is_contiguous():
+        raise ValueError(f"part_lse must be a contiguous float32 [{B}, {H}, {S}] tensor, got "
+                         f"{tuple(part_lse.shape)} {part_lse.dtype}")
+    if DV & (DV - 1):
+        raise ValueError(f"part_out: DV={DV} must be a power of two")
+    out = torch.empty(B, H, DV, dtype=out_dtype, device=part_out.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=part_out.device)
+    block_h = min(block_h, triton.next_power_of_2(H))
+    grid = (B, triton.cdiv(H, block_h))
+    _mla_merge_kernel[grid](
+        part_out, part_lse, out, lse, H, out.stride(0), out.stride(1), float(out_scale),
+        NUM_SPLITS=S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return out, lse
