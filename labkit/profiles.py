@@ -28,8 +28,9 @@ DEFAULTS = dict(
     context_sweep=[256, 1024],  # tokens per request, at sweep_batch and the model's heads per GPU
     sweep_batch=2,
     sweep_context=512,
-    # where records and figures go; None: data/runs/interactive
+    # where records and figures go (set by labkit run; None: data/runs/interactive)
     run_dir=None,
+    runs=[],  # 04: more run folders or globs to report beside run_dir
 )
 
 PROFILES = {
@@ -92,6 +93,9 @@ def check(params: dict) -> LabParams:
     _positive_ints("batch_sweep", params["batch_sweep"])
     _positive_ints("context_sweep", params["context_sweep"])
     _positive_ints("heads_sweep", params["heads_sweep"], hi=128)
+    runs = params["runs"]
+    if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+        raise ValueError(f"runs={runs!r}: allowed a list of run folders or globs, e.g. '[\"data/runs/*-cpu\"]'")
     need = sum(-(-n // p.page_size) for n in p.lens) * p.page_size
     for v in params["pool_sweep"]:
         if v % p.page_size or v < need:

@@ -28,10 +28,11 @@ REPORT = "04_report"
 
 
 class NotebookFailed(RuntimeError):
-    def __init__(self, notebook: str, cell: int, source: str, error: str, run_dir: Path):
+    def __init__(self, notebook: str, cell: int, exec_count, source: str, error: str, run_dir: Path):
         first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
         super().__init__(
-            f"{notebook} failed in cell {cell} (`{first[:60]}`): {error}; partial notebook kept in {run_dir}"
+            f"{notebook} failed in cell {cell} (In [{exec_count}]: `{first[:60]}`): {error}; "
+            f"partial notebook kept in {run_dir}"
         )
         self.notebook, self.cell, self.run_dir = notebook, cell, run_dir
 
@@ -145,7 +146,8 @@ def _execute_all(p: Plan, run_dir: Path, progress: bool, log) -> None:
         except pm.PapermillExecutionError as e:
             failed = run_dir.with_name(run_dir.name + "-failed")
             run_dir.rename(failed)
-            raise NotebookFailed(nb.name, e.cell_index, e.source, f"{e.ename}: {e.evalue}", failed) from None
+            raise NotebookFailed(nb.name, e.cell_index + 1, e.exec_count, e.source, f"{e.ename}: {e.evalue}",
+                                 failed) from None
         except BaseException:
             run_dir.rename(run_dir.with_name(run_dir.name + "-failed"))
             raise
