@@ -37,14 +37,14 @@ def _mla_decode_kernel(
     qk_scale,  # sm_scale * log2(e): scores in base 2
     out_scale,  # v_scale (DIRECT only)
     H,
+    num_splits,  # S
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
     stride_page,  # kv.stride(0) in elements
     stride_o_b, stride_o_h,  # of the DIRECT output
     PAGE: tl.constexpr,  # page_size
     BLOCK_N: tl.constexpr,  # tokens per tile
     BLOCK_H: tl.constexpr,  # heads per program (>= 16 for tl.dot)
-    NUM_SPLITS: tl.constexpr,
-    DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the final output and natural-log lse
+    DIRECT: tl.constexpr,  # one split: write the final output and natural-log lse
     F32_MATH: tl.constexpr,  # widen to fp32 before the dots (the CPU interpreter's bf16 is wrong)
 ):
     DC: tl.constexpr = 512
@@ -60,7 +60,7 @@ def _mla_decode_kernel(
 
     seq_len = tl.load(kv_lens_ptr + b)
     page_base = tl.load(kv_indptr_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -98,17 +98,18 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
         m_i = m_new
 
-    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    l_safe = tl.maximum(l_i, 1e-30)
+    inv = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
     if DIRECT:
         out = acc * (inv * out_scale)[:, None]
         tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, -float("inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
         tl.store(lse_ptr + b * H + heads, lse, mask=hmask)
     else:
-        row = (b * H + heads) * NUM_SPLITS + split  # [BLOCK_H] row of [B*H*S]
+        row = (b * H + heads) * num_splits + split  # [BLOCK_H] row of [B*H*S]
         tl.store(o_ptr + row[:, None] * DC + dc[None, :], acc * inv[:, None], mask=hmask[:, None])
-        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), -float("inf"))
+        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf"))
         tl.store(lse_ptr + row, lse2, mask=hmask)
 
 
@@ -249,10 +250,10 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor
         lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_nope, q_pe, kv_buffer, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
-        float(sm_scale) * LOG2E, float(v_scale), H,
+        float(sm_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
         o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, NUM_SPLITS=num_splits, DIRECT=direct,
+        PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct,
         F32_MATH=not on_gpu, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

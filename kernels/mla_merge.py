@@ -25,8 +25,8 @@ def _mla_merge_kernel(
     stride_ob,  # out.stride(0)
     stride_oh,  # out.stride(1)
     out_scale,  # v_scale (and any fold-in factor)
-    NUM_SPLITS: tl.constexpr,
-    S_POW2: tl.constexpr,  # next power of two >= NUM_SPLITS
+    num_splits,  # S
+    S_POW2: tl.constexpr,  # next power of two >= S
     DV: tl.constexpr,  # 512
     BLOCK_H: tl.constexpr,  # heads per program
 ):
@@ -35,24 +35,24 @@ def _mla_merge_kernel(
     hmask = heads < H
     bh = b * H + heads  # [BLOCK_H] row of [B*H]
     splits = tl.arange(0, S_POW2)
-    lse2 = tl.load(part_lse_ptr + bh[:, None] * NUM_SPLITS + splits[None, :],
-                   mask=hmask[:, None] & (splits[None, :] < NUM_SPLITS), other=-float("inf"))
+    lse2 = tl.load(part_lse_ptr + bh[:, None] * num_splits + splits[None, :],
+                   mask=hmask[:, None] & (splits[None, :] < num_splits), other=-float("inf"))
     m = tl.max(lse2, 1)  # [BLOCK_H]
     m_safe = tl.where(m == -float("inf"), 0.0, m)  # an empty request: every split -inf
     w = tl.exp2(lse2 - m_safe[:, None])  # [BLOCK_H, S_POW2], 0 for empty splits
     total = tl.sum(w, 1)  # [BLOCK_H]
-    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
     dv = tl.arange(0, DV)
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         ws = tl.sum(tl.where(splits[None, :] == s, w, 0.0), 1)  # [BLOCK_H] weight of split s
-        o = tl.load(part_out_ptr + (bh[:, None] * NUM_SPLITS + s) * DV + dv[None, :],
+        o = tl.load(part_out_ptr + (bh[:, None] * num_splits + s) * DV + dv[None, :],
                     mask=hmask[:, None] & (ws[:, None] > 0), other=0.0)  # [BLOCK_H, DV]
         acc += ws[:, None] * o
     acc = acc * (inv * out_scale)[:, None]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    lse = tl.where(total > 0, (m_safe + tl.log2(total)) * 0.6931471805599453, -float("inf"))
+    lse = tl.where(total > 0, (m_safe + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, -float("inf"))
     tl.store(lse_ptr + bh, lse, mask=hmask)
 
 
@@ -89,6 +89,6 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
     grid = (B, triton.cdiv(H, block_h))
     _mla_merge_kernel[grid](
         part_out, part_lse, out, lse, H, out.stride(0), out.stride(1), float(out_scale),
-        NUM_SPLITS=S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h, num_warps=num_warps,
+        S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h, num_warps=num_warps,
     )
     return out, lse

@@ -1,0 +1,86 @@
+"""The decode paths with Triton kernels, registered as backends ``<path>.triton`` (and the seed's).
+
+    full_pool_cast.triton  Triton whole-layer FP8 -> BF16 cast, then Triton ``mla_decode``
+    full_pool_cast.seed    torch ``.to()`` of the whole layer, then Triton ``mla_decode``: the seed's server
+    gather_cast.triton     fused gather + cast of the batch's pages, ``mla_decode`` on the compact table
+    fp8_native.triton      ``mla_decode_fp8``: FP8 pages read directly, no 16-bit copy of KV
+    bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)
+
+Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
+ckv is both K and V) into the output, so the casts are exact widenings of the stored values.
+Imported by ``labkit.backends._load_optional``.
+"""
+from __future__ import annotations
+
+import torch
+
+from labkit.backends import ALL_PAGE_SIZES, Backend, register
+from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
+from labkit.kernels.gather_cast import gather_cast
+from labkit.kernels.mla_decode import mla_decode
+from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
+
+from .kvpool import DecodeBatch, KVPool
+
+FP8_SM = (8, 9)  # Triton's float8e4nv needs sm_89+ (Ada, Hopper, Blackwell)
+BF16_SM = (8, 0)  # bf16 tensor cores
+
+
+def _decode16(q_nope, q_pe, kv, batch: DecodeBatch, sm_scale: float, k_scale: float):
+    return mla_decode(q_nope, q_pe, kv, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                      sm_scale * k_scale, v_scale=k_scale, max_len=batch.max_len)
+
+
+def full_pool_cast_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """Cast the WHOLE layer with the Triton cast kernel (P * 3 B moved), then attend over it."""
+    buf = pool.layer(layer)
+    kv = fp8_to_bf16(buf) if buf.dtype == torch.float8_e4m3fn else buf  # [num_pages, page_size, 576]
+    return _decode16(q_nope, q_pe, kv.to(q_nope.dtype), batch, sm_scale, pool.scale(layer))
+
+
+def full_pool_cast_seed(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """The seed's server: ``get_key_buffer(layer).to(q.dtype)`` (torch, whole layer), then attend."""
+    kv = pool.layer(layer).to(q_nope.dtype)
+    return _decode16(q_nope, q_pe, kv, batch, sm_scale, pool.scale(layer))
+
+
+def gather_cast_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """Gather and cast only the batch's pages in one Triton pass, attend over the compact copy."""
+    buf = pool.layer(layer)
+    if buf.dtype == torch.float8_e4m3fn:
+        kv = gather_cast(buf, batch.kv_indices)  # [nnz, page_size, 576] bf16
+    else:
+        kv = buf[batch.kv_indices.long()]
+    return _decode16(q_nope, q_pe, kv.to(q_nope.dtype), batch.compact(), sm_scale, pool.scale(layer))
+
+
+def fp8_native_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """FP8 pages straight into the decode kernel, dequantized in registers."""
+    return mla_decode_fp8(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                          sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
+
+
+def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """The 16-bit kernel on a pool already in BF16; FP8 pages are refused by mla_decode itself."""
+    return _decode16(q_nope, q_pe, pool.layer(layer), batch, sm_scale, pool.scale(layer))
+
+
+register(Backend("full_pool_cast.triton", "full_pool_cast", "triton", full_pool_cast_triton,
+                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kernel="Triton fp8_to_bf16 (whole layer) + Triton mla_decode",
+                 note="casts the whole layer each call: P*(1+2) B before attention"))
+register(Backend("full_pool_cast.seed", "full_pool_cast", "seed", full_pool_cast_seed,
+                 min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kernel="torch .to() (whole layer) + Triton mla_decode",
+                 note="exactly the seed's server: get_key_buffer(layer).to(q.dtype)"))
+register(Backend("gather_cast.triton", "gather_cast", "triton", gather_cast_triton,
+                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kernel="Triton gather_cast (batch pages) + Triton mla_decode on the compact table"))
+register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton, kv_dtypes=("fp8_e4m3",),
+                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kernel="Triton mla_decode_fp8: FP8 tiles widened in registers",
+                 note="k_scale folded into the softmax scale, v_scale into the output"))
+register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",),
+                 min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kernel="Triton mla_decode, 16-bit KV only",
+                 note="refuses FP8 KV like FlashInfer's static_assert(sizeof(DType) == 2)"))
