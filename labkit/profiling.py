@@ -9,7 +9,9 @@ wall times of the top-level aten ops (CPU activity; Python overhead between ops 
 How work is attributed (first rule that applies; see ``categorize``):
 1. an enclosing ``torch.profiler.record_function`` range named cast, gather, attention or merge;
 2. work launched by an aten op inside a Python function listed in ``SCOPES`` (e.g. every op of
-   ``attend_16bit``, the fp32 widening of q and rows included, is attention);
+   ``attend_16bit``, the fp32 widening of q and rows included, is attention). While profiling, a
+   ``sys.setprofile`` hook wraps each call of those functions in a ``record_function`` range
+   ``labkit.scope:<name>``: Python frames reach the events that way on every torch version;
 3. the aten op: ``to``/``_to_copy``/``copy_`` of floating data -> cast, ``index``/``gather`` ->
    gather, matmul/softmax/exp ops -> attention;
 4. a kernel launched from Python (Triton) by its name: *merge* -> merge, *cast*/fp8_to_bf16/dequant
@@ -19,6 +21,8 @@ How work is attributed (first rule that applies; see ``categorize``):
 from __future__ import annotations
 
 import re
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -30,6 +34,7 @@ from .results import atomic_write_with
 
 CATEGORIES = ("cast", "gather", "attention", "merge", "other")
 STEP_RANGE = "labkit.decode_step"
+SCOPE_PREFIX = "labkit.scope:"
 # Python functions whose whole body is one stage of the decode (labkit.torch_paths, labkit.reference).
 SCOPES = {"attend_16bit": "attention", "fp8_native": "attention", "mla_decode": "attention"}
 _ATEN_RULES = (  # (category, op names), for aten ops outside any scope
@@ -72,33 +77,59 @@ def categorize(name: str, dtype: str | None = None, scopes=(), annotations=()) -
 
 
 def _floating(dtype: str | None) -> bool:
-    """Profiler dtype strings: float, double, c10::Half, c10::BFloat16, c10::Float8_*; None: unknown."""
+    """Profiler dtype strings: float, double, c10::Half, c10::BFloat16, c10::Float8_*. None (unknown:
+    torch 2.11 records no dtypes) counts as floating, so there an index conversion outside any
+    scope (``kv_indices.long()``) counts as a (tiny) cast."""
     return dtype is None or dtype in ("float", "double") or dtype.startswith(("c10::Half", "c10::BFloat16", "c10::Float8"))
 
 
+# -- Python scopes as record_function ranges ---------------------------------------------------------
+class _ScopeRanges:
+    """A ``sys.setprofile`` hook: a ``record_function`` range around each call of a ``SCOPES`` function."""
+
+    def __enter__(self):
+        self.open, self.prev = [], sys.getprofile()
+        sys.setprofile(self)
+        return self
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_name in SCOPES:
+            rf = record_function(SCOPE_PREFIX + frame.f_code.co_name)
+            rf.__enter__()
+            self.open.append((frame, rf))
+        elif event == "return" and self.open and self.open[-1][0] is frame:  # also on an exception
+            self.open.pop()[1].__exit__(None, None, None)
+
+    def __exit__(self, *exc):
+        sys.setprofile(self.prev)
+        while self.open:
+            self.open.pop()[1].__exit__(None, None, None)
+
+
 # -- walking the profiler's event tree --------------------------------------------------------------
-def _ancestors(e):
-    p = e.cpu_parent
-    while p is not None:
-        yield p
-        p = p.cpu_parent
+def _is_note(e) -> bool:
+    return bool(getattr(e, "is_user_annotation", False) or e.name == STEP_RANGE or e.name in CATEGORIES
+                or e.name.startswith(SCOPE_PREFIX))
 
 
-def _is_op(e) -> bool:
-    return e.device_type == DeviceType.CPU and not e.is_python_function and not e.is_user_annotation
+def _is_aten(e) -> bool:
+    return e.device_type == DeviceType.CPU and e.name.startswith("aten::")
 
 
 def _context(e) -> tuple[object, list[str], list[str], bool]:
-    """For the CPU event ``e``: its outermost aten op (or None), enclosing Python function names,
-    enclosing record_function names (innermost first), and whether it ran inside the step range."""
-    top, scopes, notes = (e if _is_op(e) and e.name.startswith("aten::") else None), [], []
-    for a in _ancestors(e):
-        if a.is_python_function:
-            scopes.append(a.name.rsplit(": ", 1)[-1])
-        elif a.is_user_annotation or a.name == STEP_RANGE:
-            notes.append(a.name)
-        elif a.name.startswith("aten::"):
-            top = a
+    """For the CPU event ``e``: its outermost aten op (``e`` itself included; None if none), the
+    enclosing Python function names and record_function names (innermost first), and whether it
+    ran inside the step range."""
+    top, scopes, notes = None, [], []
+    p = e
+    while p is not None:
+        if p.name.startswith(SCOPE_PREFIX):
+            scopes.append(p.name[len(SCOPE_PREFIX):])
+        elif _is_note(p):
+            notes.append(p.name)
+        elif _is_aten(p):
+            top = p
+        p = p.cpu_parent
     return top, scopes, notes, STEP_RANGE in notes
 
 
@@ -111,7 +142,7 @@ def _cpu_rows(events) -> list[tuple[str, float]]:
     """(category, ms) per top-level aten op inside the step range."""
     rows = []
     for e in events:
-        if not _is_op(e) or not e.name.startswith("aten::"):
+        if not _is_aten(e):
             continue
         top, scopes, notes, inside = _context(e)
         if inside and top is e:
@@ -119,20 +150,43 @@ def _cpu_rows(events) -> list[tuple[str, float]]:
     return rows
 
 
+_RUNTIME = re.compile(r"^cu(da)?[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
+
+
+def _kernel_row(name: str, ms: float, ctx) -> tuple[str, float]:
+    top, scopes, notes, _ = ctx
+    op, dtype = (top.name, _first_dtype(top)) if top is not None else (name, None)
+    return categorize(op, dtype, scopes, notes), ms
+
+
 def _cuda_rows(events) -> list[tuple[str, float]]:
-    """(category, ms) per device kernel, memcpy or memset launched inside the step range."""
-    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id > 0}
+    """(category, ms) per device kernel, memcpy or memset launched inside the step range.
+
+    Each device event counts once. Its context: the aten op or range the profiler hangs it on
+    (``FunctionEvent.kernels``; internal events that also claim it are ignored), else the CPU
+    runtime call with its correlation id (Triton launches on some torch versions), else none.
+    """
+    work = [k for k in events if k.device_type == DeviceType.CUDA and not _is_note(k)]  # ranges are no work
+    left = Counter((k.name, k.time_range.end - k.time_range.start) for k in work)
     rows = []
-    for k in events:
-        if k.device_type != DeviceType.CUDA:
+    for e in events:
+        if e.device_type != DeviceType.CPU or not e.kernels or not (_is_aten(e) or _is_note(e)):
             continue
-        launch = launches.get(k.id)
-        if launch is None:
-            continue
-        top, scopes, notes, inside = _context(launch)
-        if inside:
-            name, dtype = (top.name, _first_dtype(top)) if top is not None else (k.name, None)
-            rows.append((categorize(name, dtype, scopes, notes), k.time_range.elapsed_us() / 1e3))
+        ctx = _context(e)
+        for k in e.kernels:
+            if left[(k.name, k.duration)] > 0:
+                left[(k.name, k.duration)] -= 1
+                if ctx[3]:
+                    rows.append(_kernel_row(k.name, k.duration / 1e3, ctx))
+    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and _RUNTIME.match(e.name)}
+    for k in work:
+        key = (k.name, k.time_range.end - k.time_range.start)
+        if left[key] > 0:
+            left[key] -= 1
+            launch = launches.get(k.id)
+            ctx = _context(launch) if launch is not None else (None, [], [STEP_RANGE], True)
+            if ctx[3]:
+                rows.append(_kernel_row(k.name, key[1] / 1e3, ctx))
     return rows
 
 
@@ -168,7 +222,7 @@ def profile_decode_step(backend, q_nope, q_pe, pool, batch, sm_scale: float, lay
     for _ in range(warmup):
         step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+    with profile(activities=acts, record_shapes=True) as prof, _ScopeRanges():
         step()
     events = prof.events()
     df = _table(_cuda_rows(events) if cuda else _cpu_rows(events), "cuda" if cuda else "cpu")
