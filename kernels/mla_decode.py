@@ -11,6 +11,7 @@ FlashInfer's ``static_assert(sizeof(DType) == 2)``; ``mla_decode_fp8`` reads FP8
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,7 +25,7 @@ D_CKV, D_KPE = 512, 64
 NUM_SMS_DEFAULT = 132  # H200; the launcher reads the device's count when it has one
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_decode_kernel(
     q_nope_ptr,  # *[B, H, 512] 16-bit, last dim contiguous
     q_pe_ptr,  # *[B, H, 64]
@@ -113,9 +114,14 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + row, lse2, mask=hmask)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return NUM_SMS_DEFAULT
 
 

@@ -13,8 +13,11 @@ Variants (constexpr, chosen by the launcher; ``scripts/gpu_kernels.py`` times th
            2 "asm"  the same cvt as non-pure inline PTX: converted once, in registers, and the
                     fp16 tile goes through shared memory to ldmatrix (no byte loads)
            3 "bf16" ``.to(bf16)``: the study's obvious kernel, for comparison
-  Q_FP8    q quantized to FP8 (per-tensor q_scale, by torch in the launcher) and the scores
-           computed by an FP8 tl.dot (the trtllm_mla path; wgmma QGMMA with SWAP): ~3e-2 rel. error
+  Q_FP8    scores by an FP8 tl.dot (the trtllm_mla path; wgmma QGMMA with SWAP): ~3e-2 rel. error.
+           1: q arrives quantized (per-tensor q_scale read from q_scale_ptr; torch quantizes it in
+              the launcher, the CPU interpreter's f32 -> fp8 casts being wrong);
+           2: each program quantizes its own q tile (amax over its heads / 448) in registers: no
+              extra launches (GPU)
   PV_FP8   p * 256 quantized to FP8 and p @ v by an FP8 tl.dot (GPU only)
   SWAP     0: s = q @ K^T (heads on the MMA's M side: mma.sync for BLOCK_H < 64);
            1: s^T = K @ q^T (tokens on M: wgmma for few heads); 2: also out^T = V^T @ p^T
@@ -122,9 +125,9 @@ def _tile_rows(kv_indices_ptr, page_base, n0, end, stride_page, PAGE: tl.constex
     return rows, nmask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_decode_fp8_kernel(
-    q_nope_ptr,  # *[B, H, 512] fp16/bf16 (fp8 when Q_FP8); last dim contiguous
+    q_nope_ptr,  # *[B, H, 512] bf16/fp16 (fp8 when Q_FP8 == 1); last dim contiguous
     q_pe_ptr,  # *[B, H, 64]
     kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576]; a token row is 576 contiguous bytes
     kv_indptr_ptr,  # *i32 [B + 1]
@@ -132,7 +135,8 @@ def _mla_decode_fp8_kernel(
     kv_lens_ptr,  # *i32 [B]
     o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
     lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
-    qk_scale,  # sm_scale * k_scale * log2(e) (* q_scale when Q_FP8)
+    q_scale_ptr,  # *f32 [1] per-tensor scale of an FP8 query (read when Q_FP8 == 1): no host sync
+    qk_scale,  # sm_scale * k_scale * log2(e)
     out_scale,  # v_scale (/ 256 when PV_FP8); DIRECT only
     H,
     num_splits,  # S
@@ -144,7 +148,7 @@ def _mla_decode_fp8_kernel(
     BLOCK_H: tl.constexpr,  # heads per program (>= 16)
     DIRECT: tl.constexpr,  # one split: write the final output and natural-log lse
     CVT: tl.constexpr,  # 0 f32 | 1 f16 | 2 asm | 3 bf16
-    Q_FP8: tl.constexpr,  # scores by an FP8 dot
+    Q_FP8: tl.constexpr,  # scores by an FP8 dot: 0 no, 1 q given in FP8, 2 quantized here
     PV_FP8: tl.constexpr,  # p @ v by an FP8 dot
     SWAP: tl.constexpr,  # 0: q @ K^T, p @ V; 1: scores as K @ q^T; 2: also out^T = V^T @ p^T
     PREFETCH: tl.constexpr,  # load tile i + 1 into registers while tile i is computed
@@ -175,10 +179,23 @@ def _mla_decode_fp8_kernel(
                       mask=hmask[None, :], other=0.0)
         q_p = tl.load(q_pe_ptr + b * stride_qp_b + heads[None, :] * stride_qp_h + dp[:, None],
                       mask=hmask[None, :], other=0.0)
-    if CVT == 0:
-        if not Q_FP8:
-            q_n = q_n.to(tl.float32)
-            q_p = q_p.to(tl.float32)
+    if Q_FP8 == 1:
+        qk_scale = qk_scale * tl.load(q_scale_ptr)
+    elif Q_FP8 == 2:  # this program's q tile in e4m3 with its own scale
+        amax = tl.maximum(tl.max(tl.abs(q_n.to(tl.float32))), tl.max(tl.abs(q_p.to(tl.float32))))
+        q_sc = tl.maximum(amax, 1e-12) / 448.0
+        q_n = (q_n.to(tl.float32) / q_sc).to(tl.float8e4nv)
+        q_p = (q_p.to(tl.float32) / q_sc).to(tl.float8e4nv)
+        qk_scale = qk_scale * q_sc
+    elif CVT == 0:
+        q_n = q_n.to(tl.float32)
+        q_p = q_p.to(tl.float32)
+    elif CVT == 3:
+        q_n = q_n.to(tl.bfloat16)
+        q_p = q_p.to(tl.bfloat16)
+    else:
+        q_n = q_n.to(tl.float16)
+        q_p = q_p.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -272,7 +289,7 @@ def _mla_decode_fp8_kernel(
 def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor):
     """Per-tensor e4m3 quantization of the query (torch): returns (q_nope8, q_pe8, q_scale)."""
     amax = torch.maximum(q_nope.abs().amax(), q_pe.abs().amax()).float().clamp_min(1e-12)
-    q_scale = amax / E4M3_MAX  # device scalar: no host sync
+    q_scale = (amax / E4M3_MAX).reshape(1)  # [1] float32 on q's device: no host sync
     qn8 = (q_nope.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     qp8 = (q_pe.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return qn8, qp8, q_scale
@@ -309,8 +326,9 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     sm_scale : softmax scale. k_scale : per-tensor scale of the pool, folded into the scores.
     v_scale : scale of V, folded into the output; defaults to k_scale (ckv is both K and V).
     num_splits : splits per request (None: fill the GPU). return_lse : also return lse.
-    q_fp8 : quantize q to FP8 (torch, per tensor) and compute the scores with an FP8 dot
-        (~3e-2 relative error against the exact result).
+    q_fp8 : quantize q to FP8 and compute the scores with an FP8 dot (~3e-2 relative error
+        against the exact result): on the GPU each program scales its own q tile, in registers;
+        on the CPU torch quantizes q per tensor.
     cvt, pv_fp8, swap, prefetch : kernel variant (module docstring); None takes ``default_config``.
         On the CPU (Triton interpreter) cvt is "f32" and pv_fp8 False whatever is asked.
     block_n, block_h, num_warps, num_stages, max_len : tuning; max_len (the longest kv_lens)
@@ -357,15 +375,13 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
 
     qk_scale = float(sm_scale) * float(k_scale) * LOG2E
     out_scale = float(v_scale) / (P_SCALE if cfg["pv_fp8"] else 1.0)
-    if cfg["q_fp8"]:
-        qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe)
-        qk_scale = qk_scale * float(q_scale)  # one small sync; a serving loop keeps q_scale on the host
-    elif cvt_id in (1, 2):
-        qn, qp = q_nope.to(torch.float16), q_pe.to(torch.float16)
-    elif cvt_id == 3:
-        qn, qp = q_nope.to(torch.bfloat16), q_pe.to(torch.bfloat16)
-    else:
+    q_scale, q_mode = None, 0
+    if cfg["q_fp8"] and not on_gpu:
+        qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe)  # per tensor, by torch
+        q_mode = 1
+    else:  # q is converted (or quantized, per program) inside the kernel
         qn, qp = q_nope, q_pe
+        q_mode = 2 if cfg["q_fp8"] else 0
 
     direct = num_splits == 1 or B == 0
     if direct:
@@ -379,11 +395,11 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
         lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
     _mla_decode_fp8_kernel[(B, head_blocks, num_splits)](
         qn, qp, kv_buffer, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
-        qk_scale, out_scale, H, num_splits,
+        q_scale if q_scale is not None else lse_buf, qk_scale, out_scale, H, num_splits,
         qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv_buffer.stride(0),
         o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct,
-        CVT=cvt_id, Q_FP8=bool(cfg["q_fp8"]), PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
+        CVT=cvt_id, Q_FP8=q_mode, PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
         PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:

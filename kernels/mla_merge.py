@@ -15,7 +15,7 @@ import triton.language as tl
 LN2 = 0.6931471805599453
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_merge_kernel(
     part_out_ptr,  # *f32 [B, H, S, DV], contiguous
     part_lse_ptr,  # *f32 [B, H, S] log2 of each split's sum of exp2, contiguous
