@@ -37,6 +37,8 @@ def one_thread():
     ("_gather_cast_kernel", None, (), (), "cast"),
     ("_mla_decode_fp8_kernel", None, (), (), "attention"),
     ("_mla_merge_kernel", None, ("fp8_native",), (), "merge"),
+    ("aten::amax", BF16, ("mla_decode_fp8", "fp8_native_triton"), (), "attention"),  # q quantized for FP8 dots
+    ("aten::empty", None, ("mla_merge",), (), "merge"),
     ("flash::FlashAttnFwdSm90", None, (), (), "attention"),
     ("some_kernel", None, ("attend_16bit",), (), "attention"),
     ("some_kernel", None, (), (), "other"),
