@@ -301,10 +301,10 @@ def default_config(H: int, on_gpu: bool) -> dict:
         return dict(cvt="f32", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=128,
                     num_warps=4, num_stages=1)
     if H > 32:  # compute-bound side: wgmma needs 64 heads on M
-        return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=True, block_n=64,
-                    num_warps=8, num_stages=1)
+        return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=32,
+                    num_warps=8, num_stages=2)
     return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=True, block_n=64,
-                num_warps=4, num_stages=1)
+                num_warps=8, num_stages=1)
 
 
 def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,

@@ -81,6 +81,8 @@ FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
     "fp8.asm_pre64_w8": dict(cvt="asm", prefetch=True, swap=0, block_n=64, num_warps=8, num_stages=1),
     "fp8.asm_pre32_w4": dict(cvt="asm", prefetch=True, swap=0, block_n=32, num_warps=4, num_stages=1),
     "fp8.asm_pre32_w8": dict(cvt="asm", prefetch=True, swap=0, block_n=32, num_warps=8, num_stages=1),
+    "fp8.asm_pre32_swap1_w4": dict(cvt="asm", prefetch=True, swap=1, block_n=32, num_warps=4, num_stages=1),
+    "fp8.asm_pipe32_swap1_s2": dict(cvt="asm", prefetch=False, swap=1, block_n=32, num_warps=4, num_stages=2),
     "fp8.asm_pre64_swap1_w8": dict(cvt="asm", prefetch=True, swap=1, block_n=64, num_warps=8, num_stages=1),
     "fp8.asm_pre32_swap2_w4": dict(cvt="asm", prefetch=True, swap=2, block_n=32, num_warps=4, num_stages=1),
     "fp8.q8_pipe64_swap1": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=64, num_warps=4, num_stages=3),
@@ -340,6 +342,10 @@ def timings(results, shapes, only, ceil):
     pool8 = kvpool.random_pool(1, pool_tokens, PAGE, device=DEV, seed=1)
     pool16 = kvpool.random_pool(1, pool_tokens, PAGE, kv_dtype="bf16", device=DEV, seed=1)
     rows = results["timings"]
+    checked_ok = {}
+    for r in results["correctness"]:
+        name = r["kernel"].split("/")[0]
+        checked_ok[name] = checked_ok.get(name, True) and bool(r.get("ok"))
     for H, B, L in shapes:
         shape = f"h{H} {B}x{L // 1024}K"
         batch = kvpool.make_batch(pool8.num_pages, PAGE, [L] * B, seed=H + B, device=DEV)
@@ -372,10 +378,22 @@ def timings(results, shapes, only, ceil):
         for name, kw in fp8_variants(H).items():
             record("fp8_native", name, lambda kw=kw: mla_decode_fp8(qn, qp, pool8.layer(0), *args, SM_SCALE,
                                                                     pool8.scale(0), max_len=L, **kw), tokens * 576)
-        # split counts for the default variant
-        for ns in (1, 2, 4, 8, 16):
-            record("splits", f"fp8.default/s{ns}", lambda ns=ns: mla_decode_fp8(
-                qn, qp, pool8.layer(0), *args, SM_SCALE, pool8.scale(0), num_splits=ns, max_len=L), tokens * 576)
+        # split counts for the two fastest FP8 variants that passed their checks, and the best BF16
+        here = [r for r in rows if r["shape"] == shape and "us" in r]
+        good8 = sorted((r for r in here if r["group"] == "fp8_native" and checked_ok.get(r["variant"], True)),
+                       key=lambda r: r["us"])
+        for r in good8[:2]:
+            kw = fp8_variants(H)[r["variant"]]
+            for ns in (1, 2, 4, 8, 16):
+                record("splits", f"{r['variant']}/s{ns}", lambda kw=kw, ns=ns: mla_decode_fp8(
+                    qn, qp, pool8.layer(0), *args, SM_SCALE, pool8.scale(0), num_splits=ns, max_len=L, **kw),
+                    tokens * 576)
+        best16 = sorted((r for r in here if r["group"] == "bf16_pool"), key=lambda r: r["us"])
+        for r in best16[:1]:
+            kw = bf16_variants(H)[r["variant"]]
+            for ns in (1, 2, 4, 8, 16):
+                record("bf16_pool", f"{r['variant']}/s{ns}", lambda kw=kw, ns=ns: mla_decode(
+                    qn, qp, pool16.layer(0), *args, SM_SCALE, num_splits=ns, max_len=L, **kw), tokens * 1152)
         # the paths end to end (the whole-pool casts read the whole pool: pool_tokens)
         if (H in (16, 128) and B == 64) or DEV == "cpu":
             for bname in ("full_pool_cast.seed", "full_pool_cast.triton", "gather_cast.triton", "fp8_native.triton"):
