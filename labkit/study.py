@@ -48,6 +48,10 @@ class Lab:
 
     @classmethod
     def build(cls, p: LabParams, run_dir=None, warmup_ms: float = 25, rep_ms: float = 100) -> "Lab":
+        """Allocate the pool, the batch and the queries. On a CPU torch is set to one thread: with
+        more, a core taken by another process stalls every op (times jump 10-100x)."""
+        if p.device == "cpu":
+            torch.set_num_threads(1)
         c = p.cfg
         pool = random_pool(p.layers, p.pool_tokens, p.page_size, p.kv_dtype, c.kv_lora_rank,
                            c.qk_rope_head_dim, device=p.device, seed=p.seed)
@@ -278,14 +282,29 @@ def memory_table(p: LabParams) -> pd.DataFrame:
 
 
 # -- profiles of the decode step ----------------------------------------------------------------------
-def profile_step(lab: Lab, backend, layers=None) -> pd.DataFrame:
-    """labkit.profiling's breakdown of one decode step (all the pool's layers) as rows with timing keys."""
+_profiler_started = False
+
+
+def profile_step(lab: Lab, backend, layers=None, repeats: int = 1) -> pd.DataFrame:
+    """labkit.profiling's breakdown of one decode step (all the pool's layers) as rows with timing
+    keys; with ``repeats`` > 1 the per-category median of that many profiled steps."""
     from .profiling import profile_decode_step
 
-    df = profile_decode_step(backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale, layers=layers)
+    global _profiler_started
+    run = lambda n: profile_decode_step(backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale,  # noqa: E731
+                                        layers=n)
+    if not _profiler_started:  # the first profile in a process pays the profiler's start-up: not this one
+        run(1)
+        _profiler_started = True
+    profs = [run(layers) for _ in range(repeats)]
+    df = profs[0].copy()
+    df["device_ms"] = pd.concat([p.device_ms for p in profs], axis=1).median(axis=1)
+    total = df.device_ms[df.category != "total"].sum()
+    df.loc[df.category == "total", "device_ms"] = total
+    df["share"] = df.device_ms / total if total else 0.0
     return df.assign(path=backend.path, backend=backend.name, impl=backend.impl, median_ms=df.device_ms,
-                     p20_ms=df.device_ms, p80_ms=df.device_ms, activity=df.attrs["activity"],
-                     layers_profiled=df.attrs["layers"], **lab.shape())
+                     p20_ms=df.device_ms, p80_ms=df.device_ms, activity=profs[0].attrs["activity"],
+                     layers_profiled=profs[0].attrs["layers"], repeats=repeats, **lab.shape())
 
 
 def share(profile: pd.DataFrame, category: str = "cast") -> float:
@@ -293,13 +312,13 @@ def share(profile: pd.DataFrame, category: str = "cast") -> float:
 
 
 def cast_share_sweep(lab: Lab, sizes, backend) -> pd.DataFrame:
-    """Per one-layer pool size: the path's time and the profiler's cast / attention split."""
+    """Per one-layer pool size: the path's time and the profiler's cast / attention split (median of 3)."""
     from tqdm.auto import tqdm
 
     rows = []
     for n in tqdm(sizes, desc="pool sweep", unit="point"):
         case = lab.case(pool_tokens=n)
-        prof = profile_step(case, backend).set_index("category")
+        prof = profile_step(case, backend, repeats=3).set_index("category")
         rows.append(time_backend(case, backend, experiment="cast_share_sweep", swept=n,
                                  **{f"{c}_ms": prof.loc[c, "device_ms"] for c in ("cast", "gather", "attention")},
                                  cast_share=prof.loc["cast", "share"]))
@@ -327,8 +346,8 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
     from .stepmodel import predict, rest_from_seed
 
     rest = rest_from_seed() if rest_ms is None else rest_ms
-    tables = []
-    for run, d in records_of(df, "paths").groupby("run"):
+    tables, paths_rows = [], records_of(df, "paths")
+    for run, d in (paths_rows.groupby("run") if len(paths_rows) else []):
         d = d.sort_values("env_timestamp").groupby("path").last()
         base = d.median_ms.get("bf16_pool", 0.0)
         layers = load_model(d.model.iloc[0]).num_hidden_layers

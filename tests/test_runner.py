@@ -84,6 +84,9 @@ def test_default_profile_follows_the_device():
 def test_notebook_parameter_cells_hold_the_defaults():
     for nb in runner.notebooks():
         declared = pm.inspect_notebook(str(nb))
+        cell = next(c for c in nbformat.read(nb, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+        assigned = {t.id for node in ast.parse(cell.source).body for t in node.targets}
+        assert set(declared) == assigned, f"{nb.name}: papermill cannot read {assigned - set(declared)}"
         assert set(declared) <= set(profiles.DEFAULTS), nb.name
         for name, spec in declared.items():
             assert ast.literal_eval(spec["default"]) == profiles.DEFAULTS[name], (nb.name, name)

@@ -1,0 +1,109 @@
+"""The notebooks: as committed under nbval, and run by `labkit run` with other parameters into a
+temporary folder, asserting on what they recorded (papermill-in-pytest)."""
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from labkit import results, runner
+
+TOL_DEQUANT = 4e-3  # bf16 output against the float64 oracle (see test_paths.py)
+# not the defaults: an odd batch (uneven, not page multiples), 8 heads, page size 32, one layer
+OVERRIDES = dict(num_layers=1, tp_size=2, pool_tokens=4096, page_size=32, batch_size=3, context_lens=[100, 300, 65],
+                 warmup_ms=2, rep_ms=10, pool_sweep=[1024, 32768], batch_sweep=[1, 12], heads_sweep=[4, 64],
+                 context_sweep=[33, 500], sweep_batch=2, sweep_context=200)
+
+
+def test_committed_notebooks_are_clean():
+    for path in runner.notebooks():
+        nb = nbformat.read(path, as_version=4)
+        assert nb.metadata.kernelspec.name == "python3", path.name
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert not any(c.outputs or c.execution_count for c in code), f"{path.name}: strip outputs"
+        assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1, path.name
+
+
+@pytest.mark.notebooks
+def test_notebooks_as_committed_pass_nbval(tmp_path):
+    env = dict(os.environ, LABKIT_RUN_DIR=str(tmp_path), MPLBACKEND="agg")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
+                        str(runner.NOTEBOOKS_DIR)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert len(list(tmp_path.glob("*.parquet"))) >= 5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    plan = runner.plan(profile="cpu-small", overrides=OVERRIDES)
+    run_dir = runner.execute(plan, base=tmp_path_factory.mktemp("runs"), progress=False, log=lambda msg: None)
+    return run_dir, results.load_runs(run_dir)
+
+
+def _file(df, name):
+    return df[df.file == name]
+
+
+@pytest.mark.notebooks
+def test_run_folder_holds_notebooks_records_figures_and_report(run):
+    run_dir, df = run
+    assert run_dir.name.endswith("-cpu")
+    for nb in runner.notebooks():
+        assert (run_dir / nb.name).exists()
+    assert (run_dir / "04_report.html").read_text().count("<img") >= 3
+    for fig in ("01_step_profile", "02_speedup_vs_batch", "03_roofline_heads", "04_tok_s"):
+        assert (run_dir / f"{fig}.png").exists() and (run_dir / f"{fig}.svg").exists()
+    measured = df[df.file != "04_step_model"]
+    assert (measured.page_size == 32).all() and (measured.env_device == "cpu").all()
+
+
+@pytest.mark.notebooks
+def test_00_setup_records_ceilings_and_memory(run):
+    setup = _file(run[1], "00_setup").set_index("path")
+    assert (setup.copy_gbps > 0).all() and (setup.matmul_tflops > 0).all()
+    mem = setup.predicted_extra_bytes
+    assert mem.full_pool_cast > mem.gather_cast > mem.fp8_native
+
+
+@pytest.mark.notebooks
+def test_01_cast_share_lies_in_0_1_and_grows_with_the_pool(run):
+    prof = _file(run[1], "01_step_profile").set_index("category")
+    assert 0 < prof.share["cast"] < 1 and prof.heads.iloc[0] == 8
+    sweep = _file(run[1], "01_cast_share_sweep").sort_values("pool_tokens")
+    assert list(sweep.pool_tokens) == [1024, 32768] and sweep.tokens_read.nunique() == 1  # same attention work
+    assert ((0 < sweep.cast_share) & (sweep.cast_share < 1)).all()
+    assert sweep.cast_share.iloc[-1] > sweep.cast_share.iloc[0] and sweep.cast_ms.iloc[-1] > sweep.cast_ms.iloc[0]
+
+
+@pytest.mark.notebooks
+def test_02_gather_output_equals_the_full_cast(run):
+    out = _file(run[1], "02_outputs")
+    assert list(out.path) == ["full_pool_cast", "gather_cast"] and out.bitwise_equal_to_first.all()
+    assert (out.rel_err < TOL_DEQUANT).all()
+    t = _file(run[1], "02_timings")
+    assert set(t.experiment) == {"step", "pool_sweep", "batch_sweep"}
+    big = t[(t.experiment == "pool_sweep") & (t.pool_tokens == 32768)].set_index("path").median_ms
+    assert big.gather_cast < big.full_pool_cast  # 465 tokens read of 32768
+    assert t[t.experiment == "batch_sweep"].read_fraction.max() == pytest.approx(4 * 465 / 4096)
+
+
+@pytest.mark.notebooks
+def test_03_fp8_native_matches_the_oracle_and_refuses_clearly(run):
+    paths = _file(run[1], "03_paths").set_index("path")
+    assert list(paths.index) == ["full_pool_cast", "gather_cast", "fp8_native", "bf16_pool"]
+    assert (paths.rel_err < TOL_DEQUANT).all()
+    assert paths.bytes.fp8_native < paths.bytes.gather_cast < paths.bytes.full_pool_cast
+    heads = _file(run[1], "03_sweeps").query("experiment == 'heads_sweep' and path == 'fp8_native'")
+    assert list(heads.heads) == [4, 64] and heads.intensity.is_monotonic_increasing
+    nb = nbformat.read(run[0] / "03_fp8_native_backends.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "refused before launch" in text and "takes KV dtypes ['bf16']" in text
+
+
+@pytest.mark.notebooks
+def test_04_report_models_the_step_for_three_paths(run):
+    steps = _file(run[1], "04_step_model")
+    assert list(steps.path) == ["full_pool_cast", "gather_cast", "fp8_native"]
+    assert steps.layers.eq(4).all() and steps.tok_s.notna().all()
+    assert "Decode step and tokens per second" in (run[0] / "04_report.html").read_text()
