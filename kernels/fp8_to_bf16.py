@@ -22,13 +22,14 @@ def _fp8_to_bf16_kernel(
     pid = tl.program_id(0).to(tl.int64)  # int64: pools pass 2^31 elements
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+    # plain loads/stores: ptxas (Triton 3.6) rejects .cg combined with an eviction policy
     if EVEN:
-        x = tl.load(x_ptr + offs, cache_modifier=".cg", eviction_policy="evict_first")
-        tl.store(y_ptr + offs, x.to(tl.bfloat16), cache_modifier=".cs")
+        x = tl.load(x_ptr + offs)
+        tl.store(y_ptr + offs, x.to(tl.bfloat16))
     else:
         mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, cache_modifier=".cg", eviction_policy="evict_first")
-        tl.store(y_ptr + offs, x.to(tl.bfloat16), mask=mask, cache_modifier=".cs")
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(y_ptr + offs, x.to(tl.bfloat16), mask=mask)
 
 
 def fp8_to_bf16(x: torch.Tensor, *, block: int = 8192, num_warps: int = 8) -> torch.Tensor:

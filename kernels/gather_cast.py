@@ -29,7 +29,7 @@ def _gather_cast_kernel(
     page = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)  # [ROWS]
     src = kv_ptr + (page * stride_page)[:, None] + cols[None, :]
     dst = out_ptr + (rows.to(tl.int64) * PAGE_ELEMS)[:, None] + cols[None, :]
-    x = tl.load(src, mask=rmask[:, None], eviction_policy="evict_first")
+    x = tl.load(src, mask=rmask[:, None])
     tl.store(dst, x.to(tl.bfloat16), mask=rmask[:, None])
 
 

@@ -126,12 +126,14 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int, device,
-                       waves: float = 2.0, min_tiles: int = 4) -> int:
-    """Splits so that batch x head blocks x splits fills the SMs about ``waves`` times, each split
-    keeping at least ``min_tiles`` tiles of work. On the CPU: as few programs as possible."""
+                       ctas_per_sm: float = 2.0, min_tiles: int = 4) -> int:
+    """The most splits with batch x head blocks x splits <= ctas_per_sm x SMs (rounding DOWN: a
+    partial last wave of long programs costs a whole wave), each split keeping at least
+    ``min_tiles`` tiles. ``ctas_per_sm`` per kernel config is measured (docs/perf-notes.md).
+    On the CPU: 1 (as few interpreter programs as possible)."""
     if device.type != "cuda":
         return 1
-    want = math.ceil(waves * num_sms(device) / max(1, batch * head_blocks))
+    want = math.floor(ctas_per_sm * num_sms(device) / max(1, batch * head_blocks))
     most = max(1, triton.cdiv(max_len, block_n * min_tiles))
     return int(max(1, min(want, most, 64)))
 
@@ -231,19 +233,20 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor
     dev = q_nope.device
     on_gpu = dev.type == "cuda"
     block_h = pick_block_h(H, block_h)
+    big = block_h >= 64  # measured on the H200 (data/kernels/h200_run1.*): bf16.pipe32 / bf16.pipe64
     if block_n is None:
-        block_n = 64 if on_gpu else 128
+        block_n = (64 if big else 32) if on_gpu else 128
+    if num_warps is None:
+        num_warps = 8 if big else 4
+    if num_stages is None:
+        num_stages = 2 if big else 3
     head_blocks = triton.cdiv(H, block_h)
     if num_splits is None:
         if max_len is None:
             max_len = int(kv_lens.max()) if B else 0
-        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev)
+        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev, ctas_per_sm=2 if big else 4)
     if num_splits < 1:
         raise ValueError(f"mla_decode: num_splits={num_splits} must be >= 1")
-    if num_warps is None:
-        num_warps = 8 if block_h >= 64 else 4
-    if num_stages is None:
-        num_stages = 2 if block_h >= 64 else 3
     direct = num_splits == 1 or B == 0
     if direct:
         out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)

@@ -14,10 +14,10 @@ Variants (constexpr, chosen by the launcher; ``scripts/gpu_kernels.py`` times th
                     fp16 tile goes through shared memory to ldmatrix (no byte loads)
            3 "bf16" ``.to(bf16)``: the study's obvious kernel, for comparison
   Q_FP8    scores by an FP8 tl.dot (the trtllm_mla path; wgmma QGMMA with SWAP): ~3e-2 rel. error.
-           1: q arrives quantized (per-tensor q_scale read from q_scale_ptr; torch quantizes it in
-              the launcher, the CPU interpreter's f32 -> fp8 casts being wrong);
-           2: each program quantizes its own q tile (amax over its heads / 448) in registers: no
-              extra launches (GPU)
+           one scale per (request, head block): amax of the program's q tile / 448.
+           2: each program quantizes its own q tile in registers: no extra launch (GPU);
+           1: the same quantization by torch in the launcher (the CPU interpreter's f32 -> fp8
+              casts are wrong), scales read from q_scale_ptr
   PV_FP8   p * 256 quantized to FP8 and p @ v by an FP8 tl.dot (GPU only)
   SWAP     0: s = q @ K^T (heads on the MMA's M side: mma.sync for BLOCK_H < 64);
            1: s^T = K @ q^T (tokens on M: wgmma for few heads); 2: also out^T = V^T @ p^T
@@ -135,7 +135,7 @@ def _mla_decode_fp8_kernel(
     kv_lens_ptr,  # *i32 [B]
     o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
     lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
-    q_scale_ptr,  # *f32 [1] per-tensor scale of an FP8 query (read when Q_FP8 == 1): no host sync
+    q_scale_ptr,  # *f32 [B, head blocks] scales of an FP8 query (read when Q_FP8 == 1): no host sync
     qk_scale,  # sm_scale * k_scale * log2(e)
     out_scale,  # v_scale (/ 256 when PV_FP8); DIRECT only
     H,
@@ -180,7 +180,7 @@ def _mla_decode_fp8_kernel(
         q_p = tl.load(q_pe_ptr + b * stride_qp_b + heads[None, :] * stride_qp_h + dp[:, None],
                       mask=hmask[None, :], other=0.0)
     if Q_FP8 == 1:
-        qk_scale = qk_scale * tl.load(q_scale_ptr)
+        qk_scale = qk_scale * tl.load(q_scale_ptr + b * tl.num_programs(1) + hblk)
     elif Q_FP8 == 2:  # this program's q tile in e4m3 with its own scale
         amax = tl.maximum(tl.max(tl.abs(q_n.to(tl.float32))), tl.max(tl.abs(q_p.to(tl.float32))))
         q_sc = tl.maximum(amax, 1e-12) / 448.0
@@ -286,25 +286,38 @@ def _mla_decode_fp8_kernel(
         tl.store(lse_ptr + row, lse2, mask=hmask)
 
 
-def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor):
-    """Per-tensor e4m3 quantization of the query (torch): returns (q_nope8, q_pe8, q_scale)."""
-    amax = torch.maximum(q_nope.abs().amax(), q_pe.abs().amax()).float().clamp_min(1e-12)
-    q_scale = (amax / E4M3_MAX).reshape(1)  # [1] float32 on q's device: no host sync
-    qn8 = (q_nope.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    qp8 = (q_pe.float() / q_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return qn8, qp8, q_scale
+def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, block_h: int):
+    """e4m3 query with one scale per (request, block of ``block_h`` heads), as the kernel's
+    Q_FP8 == 2 path computes it in registers: returns (q_nope8, q_pe8, q_scale [B, head_blocks] f32)."""
+    B, H, _ = q_nope.shape
+    hb = triton.cdiv(H, block_h)
+    pad = hb * block_h - H
+    amax = torch.maximum(q_nope.abs().amax(-1), q_pe.abs().amax(-1)).float()  # [B, H]
+    amax = torch.nn.functional.pad(amax, (0, pad)).view(B, hb, block_h).amax(-1)  # [B, hb]
+    q_scale = amax.clamp_min(1e-12) / E4M3_MAX
+    per_head = q_scale.repeat_interleave(block_h, dim=1)[:, :H, None]  # [B, H, 1]
+    qn8 = (q_nope.float() / per_head).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    qp8 = (q_pe.float() / per_head).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return qn8, qp8, q_scale.contiguous()
+
+
+# Measured on the H200 (scripts/gpu_kernels.py -> data/kernels/h200_run1.*; docs/perf-notes.md):
+# the fastest checked variant per head class, and the CTAs per SM its split count aims at.
+GPU_DEFAULTS = {
+    "small_h": dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=1, prefetch=False, block_n=128, num_warps=8,
+                    num_stages=2, ctas_per_sm=2),  # fp8.q8_pipe128_swap1_w8
+    "large_h": dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=0, prefetch=False, block_n=64, num_warps=8,
+                    num_stages=2, ctas_per_sm=1),  # fp8.q8_pipe64
+}
 
 
 def default_config(H: int, on_gpu: bool) -> dict:
-    """Tuning picked per head count (see docs/perf-notes.md for the measurements behind it)."""
+    """Tuning per head count. The CPU (interpreter) runs fp32 dots but keeps the GPU default's
+    FP8 query, so both compute the same function."""
+    cfg = dict(GPU_DEFAULTS["large_h" if H > 32 else "small_h"])
     if not on_gpu:
-        return dict(cvt="f32", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=128,
-                    num_warps=4, num_stages=1)
-    if H > 32:  # compute-bound side: wgmma needs 64 heads on M
-        return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=32,
-                    num_warps=8, num_stages=2)
-    return dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=True, block_n=64,
-                num_warps=8, num_stages=1)
+        cfg.update(cvt="f32", pv_fp8=False, swap=0, prefetch=False, block_n=128, num_warps=4, num_stages=1)
+    return cfg
 
 
 def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
@@ -326,9 +339,9 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     sm_scale : softmax scale. k_scale : per-tensor scale of the pool, folded into the scores.
     v_scale : scale of V, folded into the output; defaults to k_scale (ckv is both K and V).
     num_splits : splits per request (None: fill the GPU). return_lse : also return lse.
-    q_fp8 : quantize q to FP8 and compute the scores with an FP8 dot (~3e-2 relative error
-        against the exact result): on the GPU each program scales its own q tile, in registers;
-        on the CPU torch quantizes q per tensor.
+    q_fp8 : quantize q to e4m3 (one scale per request and head block) and compute the scores
+        with an FP8 dot: the GPU default (faster); costs ~6e-3 relative error against the exact
+        result instead of ~1.3e-3 (measured on the H200). In registers on the GPU, by torch on the CPU.
     cvt, pv_fp8, swap, prefetch : kernel variant (module docstring); None takes ``default_config``.
         On the CPU (Triton interpreter) cvt is "f32" and pv_fp8 False whatever is asked.
     block_n, block_h, num_warps, num_stages, max_len : tuning; max_len (the longest kv_lens)
@@ -350,6 +363,7 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     given = dict(cvt=cvt, q_fp8=q_fp8, pv_fp8=pv_fp8, swap=swap, prefetch=prefetch, block_n=block_n,
                  num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
+    cfg.setdefault("ctas_per_sm", 2)
     if not on_gpu:
         cfg.update(cvt="f32", pv_fp8=False)  # the interpreter's 16-bit dots and f32->fp8 casts are wrong
     if cfg["cvt"] not in CVT_MODES:
@@ -369,7 +383,7 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     if num_splits is None:
         if max_len is None:
             max_len = int(kv_lens.max()) if B else 0
-        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev)
+        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev, ctas_per_sm=cfg["ctas_per_sm"])
     if num_splits < 1:
         raise ValueError(f"mla_decode_fp8: num_splits={num_splits} must be >= 1")
 
@@ -377,7 +391,7 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     out_scale = float(v_scale) / (P_SCALE if cfg["pv_fp8"] else 1.0)
     q_scale, q_mode = None, 0
     if cfg["q_fp8"] and not on_gpu:
-        qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe)  # per tensor, by torch
+        qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe, block_h)  # by torch, per (request, head block)
         q_mode = 1
     else:  # q is converted (or quantized, per program) inside the kernel
         qn, qp = q_nope, q_pe
