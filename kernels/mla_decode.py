@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_merge import mla_merge
+from .mla_merge import mla_merge, round_to_bf16
 
 LOG2E = 1.4426950408889634
 D_CKV, D_KPE = 512, 64
@@ -103,6 +103,9 @@ def _mla_decode_kernel(
     inv = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
     if DIRECT:
         out = acc * (inv * out_scale)[:, None]
+        if F32_MATH:  # the interpreter truncates fp32 -> bf16: round first (no-op for fp16 outputs)
+            if o_ptr.dtype.element_ty == tl.bfloat16:
+                out = round_to_bf16(out)
         tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .mla_decode import (D_CKV, D_KPE, LOG2E, check_decode_args, default_num_splits, pick_block_h)
-from .mla_merge import mla_merge
+from .mla_merge import mla_merge, round_to_bf16
 
 CVT_MODES = {"f32": 0, "f16": 1, "asm": 2, "bf16": 3}
 P_SCALE = 256.0  # PV_FP8: p in [0, 1] is stored as p * 256 in e4m3 (max 448): normal down to 6e-5
@@ -275,6 +275,9 @@ def _mla_decode_fp8_kernel(
         acc = tl.trans(acc)
     if DIRECT:
         out = acc * (inv * out_scale)[:, None]
+        if CVT == 0:  # the interpreter truncates fp32 -> bf16: round first (no-op for fp16 outputs)
+            if o_ptr.dtype.element_ty == tl.bfloat16:
+                out = round_to_bf16(out)
         tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
@@ -302,19 +305,24 @@ def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, block_h: int):
 
 
 # Measured on the H200 (scripts/gpu_kernels.py -> data/kernels/h200_run1.*; docs/perf-notes.md):
-# the fastest checked variant per head class, and the CTAs per SM its split count aims at.
+# the fastest checked variant per head class, with and without an FP8 query, and the CTAs per SM
+# its split count aims at. The FP8-query variants are the faster ones: they are the default.
 GPU_DEFAULTS = {
-    "small_h": dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=1, prefetch=False, block_n=128, num_warps=8,
-                    num_stages=2, ctas_per_sm=2),  # fp8.q8_pipe128_swap1_w8
-    "large_h": dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=0, prefetch=False, block_n=64, num_warps=8,
-                    num_stages=2, ctas_per_sm=1),  # fp8.q8_pipe64
+    ("small_h", True): dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=1, prefetch=False, block_n=128,
+                            num_warps=8, num_stages=2, ctas_per_sm=2),  # fp8.q8_pipe128_swap1_w8
+    ("large_h", True): dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=0, prefetch=False, block_n=64,
+                            num_warps=8, num_stages=2, ctas_per_sm=1),  # fp8.q8_pipe64
+    ("small_h", False): dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=64,
+                             num_warps=4, num_stages=3, ctas_per_sm=2),  # fp8.asm_pipe64
+    ("large_h", False): dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=64,
+                             num_warps=8, num_stages=2, ctas_per_sm=1),  # fp8.asm_pipe64 (64+ heads)
 }
 
 
-def default_config(H: int, on_gpu: bool) -> dict:
-    """Tuning per head count. The CPU (interpreter) runs fp32 dots but keeps the GPU default's
-    FP8 query, so both compute the same function."""
-    cfg = dict(GPU_DEFAULTS["large_h" if H > 32 else "small_h"])
+def default_config(H: int, on_gpu: bool, q_fp8: bool | None = None) -> dict:
+    """Tuning per head count (and query precision; None: the default, an FP8 query). The CPU
+    (interpreter) runs fp32 dots but keeps the FP8 query, so both compute the same function."""
+    cfg = dict(GPU_DEFAULTS[("large_h" if H > 32 else "small_h", True if q_fp8 is None else bool(q_fp8))])
     if not on_gpu:
         cfg.update(cvt="f32", pv_fp8=False, swap=0, prefetch=False, block_n=128, num_warps=4, num_stages=1)
     return cfg
@@ -359,7 +367,7 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
                                         kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
     dev = q_nope.device
     on_gpu = dev.type == "cuda"
-    cfg = default_config(H, on_gpu)
+    cfg = default_config(H, on_gpu, q_fp8)
     given = dict(cvt=cvt, q_fp8=q_fp8, pv_fp8=pv_fp8, swap=swap, prefetch=prefetch, block_n=block_n,
                  num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})

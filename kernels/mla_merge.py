@@ -15,6 +15,15 @@ import triton.language as tl
 LN2 = 0.6931471805599453
 
 
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> fp32 holding the bf16 nearest to x (ties to even). The CPU interpreter's fp32 -> bf16
+    cast truncates; rounding first makes that cast exact, so CPU results round like the GPU's."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_merge_kernel(
     part_out_ptr,  # *f32 [B, H, S, DV], contiguous
@@ -29,6 +38,7 @@ def _mla_merge_kernel(
     S_POW2: tl.constexpr,  # next power of two >= S
     DV: tl.constexpr,  # 512
     BLOCK_H: tl.constexpr,  # heads per program
+    RNE_BF16: tl.constexpr,  # round to bf16 before the store (CPU interpreter, bf16 output)
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -50,6 +60,8 @@ def _mla_merge_kernel(
                     mask=hmask[:, None] & (ws[:, None] > 0), other=0.0)  # [BLOCK_H, DV]
         acc += ws[:, None] * o
     acc = acc * (inv * out_scale)[:, None]
+    if RNE_BF16:
+        acc = round_to_bf16(acc)
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(total > 0, (m_safe + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, -float("inf"))
@@ -89,6 +101,7 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
     grid = (B, triton.cdiv(H, block_h))
     _mla_merge_kernel[grid](
         part_out, part_lse, out, lse, H, out.stride(0), out.stride(1), float(out_scale),
-        S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h, num_warps=num_warps,
+        S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h,
+        RNE_BF16=(out_dtype == torch.bfloat16 and part_out.device.type == "cpu"), num_warps=num_warps,
     )
     return out, lse
