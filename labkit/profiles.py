@@ -4,6 +4,7 @@
 on a CPU (what ``pytest --nbval-lax`` executes). A profile overrides some of them:
 
     cpu-small   default on a CPU: tiny model, small pool, torch paths (``make lab``)
+    cpu-triton  the Triton kernels in Triton's CPU interpreter: one layer, very small shapes
     gpu-quick   GLM-5 shapes, 4 layers, smaller pool: a few minutes on one GPU
     gpu-seed    the study's scale: GLM-5, 78 layers, 495K-token pool, tp 4 -> 16 heads per GPU
 """
@@ -39,6 +40,11 @@ PROFILES = {
         pool_sweep=[4096, 16384, 65536, 131072], batch_sweep=[1, 4, 8, 12, 16],
         context_sweep=[256, 1024, 4096], sweep_batch=4, sweep_context=1024,
     ),
+    "cpu-triton": dict(
+        impl="triton", num_layers=1, pool_tokens=4096, batch_size=2, context_lens=256, warmup_ms=1, rep_ms=1,
+        pool_sweep=[1024, 4096, 16384], batch_sweep=[1, 4, 8, 16], heads_sweep=[8, 16, 64],
+        context_sweep=[64, 256], sweep_batch=2, sweep_context=256,
+    ),
     "gpu-quick": dict(
         model="glm5", num_layers=4, tp_size=4, pool_tokens=131072, batch_size=1, context_lens=8192,
         warmup_ms=25, rep_ms=100, pool_sweep=[16384, 32768, 65536, 131072],
@@ -49,7 +55,7 @@ PROFILES = {
         context_lens=8192, warmup_ms=25, rep_ms=100,
         pool_sweep=[32768, 65536, 131072, 262144, SEED_POOL_TOKENS],
         batch_sweep=[1, 8, 16, 32, 48, 60],  # 60 x 8K reads 99% of the pool
-        context_sweep=[1024, 4096, 8192, 32768, 131072], sweep_batch=64, sweep_context=8192,
+        context_sweep=[1024, 4096, 8192, 32768], sweep_batch=64, sweep_context=8192,
     ),
 }
 

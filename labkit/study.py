@@ -393,15 +393,17 @@ def plot_speedup(sp: pd.DataFrame, x: str, xlabel: str, ax=None, logx: bool = Fa
 
 
 def plot_paths(paths: pd.DataFrame, ax=None):
-    """One layer's time per path, labelled with % of the roofline where known."""
+    """One layer's time per backend (median, whiskers p20..p80), labelled with % of the roofline."""
     ax = _axes(ax)
-    ax.barh(paths.backend, paths.median_ms * 1e3, xerr=[(paths.median_ms - paths.p20_ms) * 1e3,
-                                                          (paths.p80_ms - paths.median_ms) * 1e3])
-    if "pct_roofline" in paths:
-        for y, (us, pct) in enumerate(zip(paths.median_ms * 1e3, paths.pct_roofline)):
-            ax.annotate(f" {pct:.0f}% of roofline", (us, y), va="center", fontsize=8)
-    ax.set(xscale="log", xlabel="time per layer (us, median; bars p20..p80)", ylabel="backend",
+    us = paths.median_ms * 1e3
+    ax.barh(paths.backend, us, xerr=[us - paths.p20_ms * 1e3, paths.p80_ms * 1e3 - us], color="tab:blue")
+    pct = paths.pct_roofline if "pct_roofline" in paths else [float("nan")] * len(paths)
+    for y, (t, r) in enumerate(zip(us, pct)):
+        ax.annotate(f" {t:,.0f} us" + ("" if r != r else f", {r:.0f}% of roofline"), (t, y), va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="time per layer (us; median, whiskers p20..p80)", ylabel="backend",
            title=f"{paths.batch_size.iloc[0]} x {paths.context_len.iloc[0]:,} tokens, pool {paths.pool_tokens.max():,}")
+    ax.set_xlim(0, us.max() * 1.45)
     return ax
 
 
@@ -415,6 +417,7 @@ def plot_tok_s(steps: pd.DataFrame, ax=None):
     ax.bar(x + 0.2, steps.seed_tok_s.astype(float).fillna(0), 0.4, label="seed (measured)")
     many = steps.run.nunique() > 1
     ax.set_xticks(x, [f"{p}\n{d}" if many else p for p, d in zip(steps.path, steps.device)], fontsize=8)
-    ax.set(xlabel="decode path", ylabel="tokens/s, one stream", title="decode step model: tokens per second")
+    ax.set(xlabel="decode path", ylabel="tokens/s, one stream",
+           title=f"decode step: {steps.layers.iloc[0]} layers on {steps.device.iloc[0]} + the seed's rest")
     ax.legend(fontsize=8)
     return ax
