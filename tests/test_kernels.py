@@ -1,0 +1,310 @@
+"""The Triton kernels (labkit.kernels) against the fp64 oracle, in the CPU interpreter.
+
+Every run poisons the outputs (every floating ``torch.empty`` is NaN-filled), so an element a
+kernel forgets to write fails the check. Inputs are fresh random draws; lengths include 1,
+page - 1, page and page + 1 so that partial last pages and single-token requests are covered.
+Tests marked ``gpu`` run the same checks on larger shapes on a CUDA device (skipped without one).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from labkit import backends, kvpool, reference
+from labkit.kernels import mla_decode as md
+from labkit.kernels import mla_decode_fp8 as md8
+from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
+from labkit.kernels.gather_cast import gather_cast
+from labkit.kernels.mla_decode import mla_decode
+from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
+
+SM = 1 / 16  # GLM-5's softmax scale
+# In the interpreter the kernels compute in fp32 and the bf16 output is rounded to nearest once,
+# so the error against the oracle is bf16 rounding of the output: ~2^-9 rms relative (the
+# interpreter's own fp32 -> bf16 cast truncates; the kernels round first). Same floor as the
+# torch paths (tests/test_paths.py).
+TOL_BF16_OUT = 4e-3
+TOL_FP16_OUT = 5e-4  # fp16 output: 2^-12 rounding
+# An FP8 query (e4m3: 3 mantissa bits, one scale per request and head block) perturbs every
+# score by up to 2^-4 relative: ~5e-3..1e-2 seen against the exact result.
+TOL_Q8 = 2.5e-2
+# Against the unquantized source the e4m3 rounding of KV (~2^-5 rms per value) dominates.
+TOL_SOURCE = 6e-2
+TOL_LSE = 1e-4  # absolute, natural log, fp32 arithmetic
+TOL_LSE_Q8 = 0.15  # absolute: scores perturbed by the FP8 query
+# On a GPU: bf16/fp16 tensor-core operands (p and the widened KV) add ~1e-3.
+TOL_GPU = 1e-2
+TOL_GPU_Q8 = 5e-2
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every floating tensor a launcher allocates with torch.empty starts as NaN."""
+    real = torch.empty
+
+    def nan_empty(*a, **k):
+        t = real(*a, **k)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _case(page_size, lens, heads, seed, kv_dtype="fp8_e4m3", q_dtype=torch.bfloat16, device="cpu"):
+    ptok = page_size * (sum(-(-n // page_size) for n in lens) + 3)
+    pool, src = kvpool.random_pool(1, ptok, page_size, kv_dtype=kv_dtype, return_source=True, seed=seed,
+                                   device=device)
+    batch = kvpool.batch_for_pool(pool, lens, seed=seed + 1)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=seed + 2, dtype=q_dtype, device=device)
+    return pool, src, batch, qn, qp
+
+
+def _edge_lens(ps):
+    return sorted({1, max(ps - 1, 1), ps, ps + 1})
+
+
+def _idx(batch):
+    return batch.kv_indptr, batch.kv_indices, batch.kv_lens
+
+
+def _check(out, lse, ref, ref_lse, tol, tol_lse):
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output"
+    assert reference.rel_err(out, ref) < tol
+    assert torch.isfinite(lse).all()
+    assert float((lse.double() - ref_lse.cpu()).abs().max()) < tol_lse
+
+
+# ------------------------------------------------------------------ casts -----------------------
+@pytest.mark.parametrize("shape", [(7, 64, 576), (3, 1, 576), (5000,)])
+@pytest.mark.parametrize("block", [1024, 8192])
+def test_fp8_to_bf16_is_exact(shape, block):
+    x = (torch.randn(shape) * 40).to(torch.float8_e4m3fn)
+    y = fp8_to_bf16(x, block=block)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(y, x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_gather_cast_is_exact(page_size):
+    pool, _, batch, _, _ = _case(page_size, _edge_lens(page_size) + [200], 1, page_size)
+    out = gather_cast(pool.layer(0), batch.kv_indices)
+    assert torch.equal(out, pool.layer(0)[batch.kv_indices.long()].to(torch.bfloat16))
+
+
+def test_cast_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match="x has dtype"):
+        fp8_to_bf16(torch.zeros(4))
+    kv = torch.zeros(4, 2, 576).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_indices has dtype"):
+        gather_cast(kv, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_buffer has dtype"):
+        gather_cast(kv.float(), torch.zeros(3, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ 16-bit decode ---------------
+@pytest.mark.parametrize("page_size,heads,splits", [(1, 1, None), (16, 16, 3), (64, 8, 1), (128, 128, 2)])
+def test_mla_decode_16bit_matches_oracle(page_size, heads, splits):
+    lens = _edge_lens(page_size) + [300]
+    pool, _, batch, qn, qp = _case(page_size, lens, heads, page_size + heads, kv_dtype="bf16")
+    kv = pool.layer(0)
+    ref, ref_lse = reference.mla_decode(qn, qp, kv.double(), batch, SM, return_lse=True)
+    out, lse = mla_decode(qn, qp, kv, *_idx(batch), SM, num_splits=splits, return_lse=True)
+    assert out.shape == qn.shape and out.dtype == torch.bfloat16 and lse.shape == (len(lens), heads)
+    _check(out, lse, ref, ref_lse, TOL_BF16_OUT, TOL_LSE)
+
+
+def test_mla_decode_fp16_and_v_scale():
+    pool, _, batch, qn, qp = _case(16, [1, 15, 16, 17, 90], 16, 3, kv_dtype="bf16", q_dtype=torch.float16)
+    kv = pool.layer(0).to(torch.float16)
+    ref, ref_lse = reference.mla_decode(qn, qp, kv.double(), batch, SM, return_lse=True)
+    out, lse = mla_decode(qn, qp, kv, *_idx(batch), SM, v_scale=0.5, num_splits=2, return_lse=True)
+    _check(out, lse, ref * 0.5, ref_lse, TOL_FP16_OUT, TOL_LSE)
+
+
+def test_mla_decode_refuses_fp8_before_any_launch(monkeypatch):
+    pool, _, batch, qn, qp = _case(16, [20], 4, 0)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched")
+
+    monkeypatch.setattr(md, "_mla_decode_kernel", NoLaunch())
+    with pytest.raises(ValueError, match=r"mla_decode.*float8_e4m3fn.*16-bit"):
+        mla_decode(qn, qp, pool.layer(0), *_idx(batch), SM)
+
+
+def test_empty_request_gives_zero_and_minus_inf():
+    pool, _, batch, qn, qp = _case(16, [40, 1], 4, 5)
+    # request 1 reads no page and no token
+    indptr = torch.tensor([0, 3, 3], dtype=torch.int32)
+    lens = torch.tensor([40, 0], dtype=torch.int32)
+    for kv, fn in ((pool.layer(0).to(torch.bfloat16), mla_decode), (pool.layer(0), mla_decode_fp8)):
+        for splits in (1, 2):
+            out, lse = fn(qn, qp, kv, indptr, batch.kv_indices[:3].contiguous(), lens, SM, num_splits=splits,
+                          return_lse=True)
+            assert torch.equal(out[1], torch.zeros_like(out[1])) and (lse[1] == -float("inf")).all()
+            assert torch.isfinite(out[0]).all() and torch.isfinite(lse[0]).all()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(kv_indices=torch.zeros(3, dtype=torch.int64)), "kv_indices has dtype"),
+    (dict(kv_indptr=torch.zeros(5, dtype=torch.int32)), "kv_indptr must be 1-D with 3 entries"),
+    (dict(q_pe=torch.zeros(2, 4, 32, dtype=torch.bfloat16)), "q_pe must be"),
+    (dict(kv_buffer=torch.zeros(8, 3, 576, dtype=torch.bfloat16)), "page_size=3"),
+    (dict(q_nope=torch.zeros(2, 129, 512, dtype=torch.bfloat16),
+          q_pe=torch.zeros(2, 129, 64, dtype=torch.bfloat16)), "129 heads"),
+])
+def test_decode_argument_errors_name_the_argument(bad, match):
+    args = dict(q_nope=torch.zeros(2, 4, 512, dtype=torch.bfloat16), q_pe=torch.zeros(2, 4, 64, dtype=torch.bfloat16),
+                kv_buffer=torch.zeros(8, 4, 576, dtype=torch.bfloat16), kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+                kv_indices=torch.tensor([0, 1], dtype=torch.int32), kv_lens=torch.tensor([3, 4], dtype=torch.int32))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        mla_decode(**args, sm_scale=SM)
+    args["kv_buffer"] = args["kv_buffer"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=match):
+        mla_decode_fp8(**args, sm_scale=SM)
+
+
+# ------------------------------------------------------------------ FP8 decode ------------------
+# The structural variants run in the interpreter too (widening is fp32 there): the split logic,
+# the page walk, the swapped orientations, the packed-word prefetch and the FP8 query.
+VARIANTS = {
+    "plain": dict(q_fp8=False),
+    "prefetch": dict(q_fp8=False, prefetch=True, block_n=32),
+    "swap1": dict(q_fp8=False, swap=1, block_n=64),
+    "swap2_prefetch": dict(q_fp8=False, swap=2, prefetch=True, block_n=32),
+    "q8_swap1": dict(q_fp8=True, swap=1, block_n=64),
+    "default": dict(),  # the GPU default's numerics: FP8 query
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("page_size,heads,splits", [(1, 3, 2), (64, 16, None), (128, 128, 3)])
+def test_mla_decode_fp8_matches_oracle(variant, page_size, heads, splits):
+    kw = VARIANTS[variant]
+    lens = _edge_lens(page_size) + [257]
+    pool, src, batch, qn, qp = _case(page_size, lens, heads, 11 * page_size + heads)
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    ref_src = reference.mla_decode(qn, qp, src[0].double(), batch, SM)
+    out, lse = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=splits,
+                              return_lse=True, **kw)
+    q8 = kw.get("q_fp8", True)
+    assert out.dtype == qn.dtype and out.shape == qn.shape
+    _check(out, lse, ref, ref_lse, TOL_Q8 if q8 else TOL_BF16_OUT, TOL_LSE_Q8 if q8 else TOL_LSE)
+    assert reference.rel_err(out, ref_src) < TOL_SOURCE
+
+
+def test_fp8_scales_are_folded_not_ignored():
+    """k_scale in the scores, v_scale (its own value when given) on the output."""
+    pool, _, batch, qn, qp = _case(16, [33, 90], 8, 1)
+    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
+    raw = reference.mla_decode(qn, qp, pool.layer(0).double(), batch, SM)
+    out = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), q_fp8=False)
+    assert reference.rel_err(raw, ref) > 0.3 and reference.rel_err(out, ref) < TOL_BF16_OUT
+    out2 = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), v_scale=2 * pool.scale(0),
+                          q_fp8=False)
+    assert reference.rel_err(out2, 2 * ref) < TOL_BF16_OUT
+
+
+@settings(max_examples=10, deadline=None)
+@given(page_log=st.integers(0, 7), lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+       heads=st.sampled_from([1, 5, 16, 64, 128]), splits=st.sampled_from([None, 1, 2, 5]),
+       q8=st.booleans(), seed=st.integers(0, 10_000))
+def test_random_batches_fp8_and_16bit(page_log, lens, heads, splits, q8, seed):
+    ps = 2**page_log
+    pool, _, batch, qn, qp = _case(ps, lens, heads, seed)
+    deq = pool.dequant(0, torch.float64)
+    ref, ref_lse = reference.mla_decode(qn, qp, deq, batch, SM, return_lse=True)
+    out, lse = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=splits,
+                              q_fp8=q8, return_lse=True)
+    _check(out, lse, ref, ref_lse, TOL_Q8 if q8 else TOL_BF16_OUT, TOL_LSE_Q8 if q8 else TOL_LSE)
+    kv16 = deq.to(torch.bfloat16)  # a 16-bit pool holding the same values (e4m3 fits bf16 exactly)
+    ref16, lse16 = reference.mla_decode(qn, qp, kv16.double(), batch, SM, return_lse=True)
+    out16, l16 = mla_decode(qn, qp, kv16, *_idx(batch), SM, num_splits=splits, return_lse=True)
+    _check(out16, l16, ref16, lse16, TOL_BF16_OUT, TOL_LSE)
+
+
+def test_q8_quantization_matches_its_description():
+    """One scale per (request, head block) = amax / 448; the dequantized query is within e4m3."""
+    qn, qp = kvpool.make_queries(3, 20, seed=4)
+    qn8, qp8, sc = md8.quantize_q_fp8(qn, qp, block_h=16)
+    assert sc.shape == (3, 2)
+    amax = torch.cat([qn, qp], -1).float().abs().amax(-1)  # [3, 20]
+    assert torch.allclose(sc[:, 0], amax[:, :16].amax(-1) / 448) and torch.allclose(sc[:, 1], amax[:, 16:].amax(-1) / 448)
+    back = qn8.float() * sc.repeat_interleave(16, 1)[:, :20, None]
+    assert reference.rel_err(back, qn.float()) < 2**-4
+
+
+# ------------------------------------------------------------------ backends --------------------
+TRITON_BACKENDS = ["full_pool_cast.triton", "full_pool_cast.seed", "gather_cast.triton", "fp8_native.triton",
+                   "fp8_native.triton_q8"]
+
+
+def test_triton_backends_registered_with_rules_as_data():
+    names = backends.names()
+    for n in TRITON_BACKENDS + ["bf16_pool.triton"]:
+        assert n in names
+        b = backends.get(n)
+        assert b.runs_on_cpu and b.max_heads == 128 and b.page_sizes == backends.ALL_PAGE_SIZES
+    assert backends.get("fp8_native.triton").min_capability == (8, 9)
+    assert backends.get("fp8_native.triton").kv_dtypes == ("fp8_e4m3",)
+    assert backends.get("bf16_pool.triton").kv_dtypes == ("bf16",)
+    assert backends.get("fp8_native").name == "fp8_native.triton"  # triton is preferred over torch
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_triton_backends_match_oracle(page_size):
+    pool, _, batch, qn, qp = _case(page_size, _edge_lens(page_size) + [150], 16, 7 + page_size)
+    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
+    for n in TRITON_BACKENDS:
+        out = backends.get(n).decode(qn, qp, pool, 0, batch, SM)
+        assert reference.rel_err(out, ref) < (TOL_Q8 if n.endswith("q8") else TOL_BF16_OUT), n
+    # the same values in a BF16 pool (e4m3 values are exact in bf16)
+    pool16 = kvpool.KVPool(pool.dequant(0, torch.bfloat16)[None], torch.ones(1))
+    assert reference.rel_err(backends.get("bf16_pool.triton").decode(qn, qp, pool16, 0, batch, SM), ref) < TOL_BF16_OUT
+
+
+def test_bf16_pool_backend_refuses_fp8():
+    pool, _, batch, qn, qp = _case(16, [20], 4, 0)
+    with pytest.raises(ValueError, match="bf16_pool.triton.*takes KV dtypes"):
+        backends.get("bf16_pool.triton").decode(qn, qp, pool, 0, batch, SM)
+
+
+# ------------------------------------------------------------------ GPU -------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GPU_VARIANTS = {**VARIANTS, "asm_pipe64": dict(q_fp8=False, cvt="asm", block_n=64, num_warps=4, num_stages=3),
+                "f16": dict(q_fp8=False, cvt="f16"), "bf16_cvt": dict(q_fp8=False, cvt="bf16", block_n=32),
+                "pv_fp8": dict(q_fp8=True, pv_fp8=True, swap=1)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("page_size,heads", [(64, 16), (1, 8), (128, 128), (16, 64)])
+def test_gpu_mla_decode_fp8(variant, page_size, heads):
+    kw = GPU_VARIANTS[variant]
+    lens = _edge_lens(page_size) + [4097, 1000]
+    pool, _, batch, qn, qp = _case(page_size, lens, heads, 5, device="cuda")
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    out, lse = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), return_lse=True, **kw)
+    q8 = kw.get("q_fp8", True)
+    _check(out, lse, ref, ref_lse, TOL_GPU_Q8 if q8 else TOL_GPU, 0.2 if q8 else 1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("page_size,heads,splits", [(64, 16, None), (1, 8, 4), (128, 128, 1)])
+def test_gpu_mla_decode_16bit_and_casts(page_size, heads, splits):
+    lens = _edge_lens(page_size) + [8192, 3000]
+    pool, _, batch, qn, qp = _case(page_size, lens, heads, 6, device="cuda")
+    kv16 = pool.dequant(0, torch.bfloat16)
+    ref, ref_lse = reference.mla_decode(qn, qp, kv16.double(), batch, SM, return_lse=True)
+    out, lse = mla_decode(qn, qp, kv16, *_idx(batch), SM, num_splits=splits, return_lse=True)
+    _check(out, lse, ref, ref_lse, TOL_GPU, 1e-2)
+    assert torch.equal(fp8_to_bf16(pool.layer(0)), pool.layer(0).to(torch.bfloat16))
+    assert torch.equal(gather_cast(pool.layer(0), batch.kv_indices),
+                       pool.layer(0)[batch.kv_indices.long()].to(torch.bfloat16))
