@@ -153,8 +153,10 @@ def _execute_all(p: Plan, run_dir: Path, progress: bool, log) -> None:
             raise
         log(f"      {nb.stem} done in {time.perf_counter() - t0:.1f} s")
         if nb.stem == REPORT:
-            html = export_html(out)
-            log(f"      report: {html}")
+            try:
+                log(f"      report: {export_html(out)}")
+            except Exception as e:  # e.g. nbconvert installed without its templates
+                log(f"      report not exported to HTML ({type(e).__name__}: {str(e).splitlines()[0]})")
 
 
 def export_html(notebook: Path) -> Path:

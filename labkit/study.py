@@ -126,18 +126,23 @@ def _on(lab: Lab, backend) -> Lab:
 
 
 def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
-    """One row: the backend's median/p20/p80 for one layer, the shape, ``extra``; with ``ceilings``
-    also bytes, GB/s, TFLOP/s and % of roofline (labkit.roofline.achieved)."""
+    """One row for one layer of ``backend`` on the lab's batch: ``median_ms``/``p20_ms``/``p80_ms`` a
+    call (labkit.timing, host included), ``device_ms`` of its kernels and ``<category>_ms`` split
+    (labkit.profiling, median of 3), the shape and ``extra``; with ``ceilings`` also bytes, GB/s,
+    TFLOP/s and % of roofline of the device time (labkit.roofline.achieved)."""
+    from .profiling import CATEGORIES
     from .roofline import achieved
     from .timing import bench
 
     lab = _on(lab, backend)
     t = bench(lambda: lab.decode(backend), warmup_ms=lab.warmup_ms, rep_ms=lab.rep_ms, device=lab.device)
+    prof = profile_step(lab, backend, layers=[0], repeats=3).set_index("category").device_ms
+    s = lab.shape()
     row = dict(path=backend.path, backend=backend.name, impl=backend.impl, median_ms=t.median_ms,
-               p20_ms=t.p20_ms, p80_ms=t.p80_ms, **lab.shape(), **extra)
+               p20_ms=t.p20_ms, p80_ms=t.p80_ms, device_ms=prof["total"],
+               **{f"{c}_ms": prof[c] for c in CATEGORIES}, cast_share=prof["cast"] / prof["total"], **s, **extra)
     if ceilings is not None:
-        s = lab.shape()
-        row.update(achieved(backend.path, t.median_ms, ceilings, pool_tokens=s["pool_tokens"],
+        row.update(achieved(backend.path, row["device_ms"], ceilings, pool_tokens=s["pool_tokens"],
                             tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"], heads=s["heads"],
                             batch=s["batch_size"]), copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops)
     return row
@@ -220,9 +225,10 @@ def context_sweep(lab: Lab, contexts, batch: int, names, ceilings=None) -> pd.Da
     return sweep(lab, "context_sweep", contexts, lambda lb, n: _fitted(lb, batch, n), names, ceilings)
 
 
-def speedup(df: pd.DataFrame, x: str, base: str = "full_pool_cast", new: str = "gather_cast") -> pd.DataFrame:
-    """Median ms of two paths per value of ``x`` and base / new."""
-    t = df.pivot_table(index=x, columns="path", values="median_ms")[[base, new]]
+def speedup(df: pd.DataFrame, x: str, base: str = "full_pool_cast", new: str = "gather_cast",
+            value: str = "device_ms") -> pd.DataFrame:
+    """``value`` (default: the kernels' device time) of two paths per value of ``x``, and base / new."""
+    t = df.pivot_table(index=x, columns="path", values=value)[[base, new]]
     return t.assign(speedup=t[base] / t[new]).reset_index()
 
 
@@ -312,17 +318,8 @@ def share(profile: pd.DataFrame, category: str = "cast") -> float:
 
 
 def cast_share_sweep(lab: Lab, sizes, backend) -> pd.DataFrame:
-    """Per one-layer pool size: the path's time and the profiler's cast / attention split (median of 3)."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for n in tqdm(sizes, desc="pool sweep", unit="point"):
-        case = lab.case(pool_tokens=n)
-        prof = profile_step(case, backend, repeats=3).set_index("category")
-        rows.append(time_backend(case, backend, experiment="cast_share_sweep", swept=n,
-                                 **{f"{c}_ms": prof.loc[c, "device_ms"] for c in ("cast", "gather", "attention")},
-                                 cast_share=prof.loc["cast", "share"]))
-    return pd.DataFrame(rows)
+    """One backend on one-layer pools of each size: the profiler's cast / attention split per size."""
+    return sweep(lab, "cast_share_sweep", sizes, lambda lb, n: lb.case(pool_tokens=n), [backend.name])
 
 
 def break_even(sp: pd.DataFrame, x: str = "read_fraction"):
@@ -339,7 +336,8 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
     """Decode step and tok/s per path and run from the recorded side-by-side (``paths`` rows).
 
     step = model layers x (path ms - bf16_pool ms) + rest: what each path adds to a BF16 kernel
-    on a BF16 pool, with the rest of the step (the attention kernel included) from the seed.
+    on a BF16 pool, with the rest of the step (the attention kernel included) from the seed. ms is
+    the kernels' device time (a server replays decode as a CUDA graph: no launch cost).
     Without a bf16_pool row the path's whole time counts (an upper bound on the step).
     """
     from .config import load_model
@@ -349,11 +347,12 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
     tables, paths_rows = [], records_of(df, "paths")
     for run, d in (paths_rows.groupby("run") if len(paths_rows) else []):
         d = d.sort_values("env_timestamp").groupby("path").last()
-        base = d.median_ms.get("bf16_pool", 0.0)
+        ms = d.device_ms if "device_ms" in d else d.median_ms
+        base = ms.get("bf16_pool", 0.0)
         layers = load_model(d.model.iloc[0]).num_hidden_layers
         paths = [p for p in MAIN_PATHS if p in d.index]
-        t = predict({p: d.median_ms[p] - base for p in paths}, layers, rest)
-        tables.append(t.assign(run=run, device=d.env_device_name.iloc[0], ms_per_layer=d.median_ms[paths].values,
+        t = predict({p: ms[p] - base for p in paths}, layers, rest)
+        tables.append(t.assign(run=run, device=d.env_device_name.iloc[0], ms_per_layer=ms[paths].values,
                                layers=layers, rest_ms=rest, seed_tok_s=[SEED_TOK_S.get(p) for p in paths],
                                rel_err=d.rel_err[paths].values))
     cols = ["run", "device", "path", "ms_per_layer", "layers", "rest_ms", "step_ms", "tok_s", "seed_tok_s", "rel_err"]
@@ -393,17 +392,18 @@ def plot_speedup(sp: pd.DataFrame, x: str, xlabel: str, ax=None, logx: bool = Fa
 
 
 def plot_paths(paths: pd.DataFrame, ax=None):
-    """One layer's time per backend (median, whiskers p20..p80), labelled with % of the roofline."""
+    """One layer's device time per backend, labelled with the time a call takes and % of the roofline."""
     ax = _axes(ax)
-    us = paths.median_ms * 1e3
-    ax.barh(paths.backend, us, xerr=[us - paths.p20_ms * 1e3, paths.p80_ms * 1e3 - us], color="tab:blue")
+    dev, call = paths.device_ms * 1e3, paths.median_ms * 1e3
+    ax.barh(paths.backend, dev, color="tab:blue")
     pct = paths.pct_roofline if "pct_roofline" in paths else [float("nan")] * len(paths)
-    for y, (t, r) in enumerate(zip(us, pct)):
-        ax.annotate(f" {t:,.0f} us" + ("" if r != r else f", {r:.0f}% of roofline"), (t, y), va="center", fontsize=8)
+    for y, (d, c, r) in enumerate(zip(dev, call, pct)):
+        label = f" {d:,.0f} us ({c:,.0f} a call)" + ("" if r != r else f", {r:.0f}% of roofline")
+        ax.annotate(label, (d, y), va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlabel="time per layer (us; median, whiskers p20..p80)", ylabel="backend",
+    ax.set(xlabel="device time per layer (us, profiled kernels)", ylabel="backend",
            title=f"{paths.batch_size.iloc[0]} x {paths.context_len.iloc[0]:,} tokens, pool {paths.pool_tokens.max():,}")
-    ax.set_xlim(0, us.max() * 1.45)
+    ax.set_xlim(0, dev.max() * 1.8)
     return ax
 
 

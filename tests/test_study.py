@@ -77,7 +77,7 @@ def test_cast_share_grows_with_the_pool(lab):
 
 def test_speedup_and_break_even():
     df = pd.DataFrame(dict(path=["full_pool_cast", "gather_cast"] * 3, read_fraction=[0.1, 0.1, 0.5, 0.5, 1, 1],
-                           median_ms=[4.0, 1.0, 4.0, 3.0, 4.0, 5.0]))
+                           device_ms=[4.0, 1.0, 4.0, 3.0, 4.0, 5.0]))
     sp = study.speedup(df, "read_fraction")
     assert list(sp.speedup) == [4.0, 4 / 3, 0.8]
     assert study.break_even(sp) == 1.0
