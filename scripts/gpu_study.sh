@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# The lab's GPU study on an offline NVIDIA GPU machine (seen on an H200): the benchmark grid and
-# every notebook at the seed's scale (profile gpu-seed), into one run folder, packed as one file.
+# The lab's GPU study on an offline NVIDIA GPU machine (seen on an H200), in one go: the benchmark
+# grid with the peers, every notebook at the seed's scale (profile gpu-seed), the GPU-marked tests
+# and the kernel variant grid, into one run folder packed as one file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [bench|notebooks|all] [OUT_DIR]
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh (-> .whl/) and, for the FlashInfer peers,
 # ../shared/tools/flashinfer-offline.sh (-> fi/); carry both folders. Both install into /tmp/site.
-set -euo pipefail
-what=${1:-all}
-out=${2:-${OUT:-/tmp/lab-out}}
+# Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others.
+set -uo pipefail
+out=${1:-${OUT:-/tmp/lab-out}}
+stages=${STAGES:-bench notebooks tests kernels}
 cd "$(dirname "$0")/.."
 site=/tmp/site
 mkdir -p "$site" "$out"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$@"; }
-if [ -d fi ] && [ ! -d "$site/flashinfer" ]; then
-  tar xzf fi/flashinfer-reduced.tgz -C "$site" && pipi fi/*.whl
-fi
+if [ -d fi ] && [ ! -d "$site/flashinfer" ]; then tar xzf fi/flashinfer-reduced.tgz -C "$site" && pipi fi/*.whl; fi
 if [ -d .whl ] && [ ! -d "$site/papermill" ]; then pipi .whl/*.whl; fi
 export PYTHONPATH="$site:$PWD" PATH="$site/bin:$PATH" PYTHONUNBUFFERED=1 MPLBACKEND=agg
 run_dir=$(python3 -c "from labkit import results; print(results.new_run_dir(tag=None))")
 echo "run folder: $run_dir"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$run_dir/nvidia-smi.csv"
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -m labkit.bench --grid gpu --run-dir "$run_dir" 2>&1 | tee "$run_dir/bench.log"
-fi
-if [ "$what" = notebooks ] || [ "$what" = all ]; then
-  python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" 2>&1 | tee "$run_dir/notebooks.log"
-fi
+stage() {  # stage NAME SECONDS CMD...: run with a limit, log into the run folder, carry on
+  local name=$1 secs=$2; shift 2
+  echo "== $name (limit ${secs}s): $*" | tee -a "$run_dir/stages.log"
+  local t0=$SECONDS
+  timeout "$secs" "$@" > >(tee "$run_dir/$name.log") 2>&1
+  echo "== $name: exit $? after $((SECONDS - t0))s" | tee -a "$run_dir/stages.log"
+}
+for s in $stages; do
+  case $s in
+    bench) stage bench "${T_bench:-200}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" ;;
+    notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
+    tests) stage tests "${T_tests:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+             tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py ;;
+    kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
+  esac
+done
 tar czf "$out/run.tgz" -C "$(dirname "$run_dir")" "$(basename "$run_dir")"
+cp "$run_dir/stages.log" "$out/" 2>/dev/null
 echo "packed $(du -sh "$out/run.tgz" | cut -f1) -> $out/run.tgz"
