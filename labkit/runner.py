@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from pathlib import Path
 
 from . import profiles
 from .config import DATA_DIR, resolve_device
+from .envinfo import device_tag
+from .results import new_run_dir
 
 NOTEBOOKS_DIR = DATA_DIR.parent / "notebooks"
 RUNS_DIR = DATA_DIR / "runs"
@@ -75,35 +76,13 @@ def plan(names=(), profile: str | None = None, overrides: dict | None = None) ->
     if profile is None:
         profile = profiles.default_profile(overrides.get("device", "auto"))
     params = profiles.resolve(profile, overrides)
-    return Plan(chosen, params, profile, device_tag(params["device"]))
-
-
-def device_tag(device: str = "auto") -> str:
-    """``cpu`` or the GPU's name as a slug (``nvidia-h200``)."""
-    device = resolve_device(device)
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(torch.device(device)).lower()).strip("-")
-
-
-def new_run_dir(base: Path, tag: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1, 100):
-        path = base / (f"{stamp}-{tag}" if i == 1 else f"{stamp}-{tag}-{i}")
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"cannot create a new run folder under {base}")
+    return Plan(chosen, params, profile, device_tag(resolve_device(params["device"])))
 
 
 def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=None) -> Path:
     """Execute the planned notebooks into a new run folder; returns its path."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))  # sys.stderr looked up per call
-    run_dir = new_run_dir(Path(base).resolve(), p.device_tag)
+    run_dir = new_run_dir(Path(base).resolve(), tag=p.device_tag)
     (run_dir / "params.json").write_text(json.dumps(
         dict(profile=p.profile, notebooks=[nb.stem for nb in p.notebooks], params=p.params, command=p.command),
         indent=1))

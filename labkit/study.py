@@ -16,10 +16,16 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
-from . import backends, reference
-from .config import DATA_DIR, KV_BYTES, LabParams
+from . import backends, config, reference, results
+from .config import DATA_DIR, KV_BYTES, LabParams, load_model
 from .kvpool import DecodeBatch, KVPool, batch_for_pool, make_queries, random_pool
+from .memory import extra_memory, predicted_extra_bytes
+from .profiling import CATEGORIES, profile_decode_step
+from .roofline import achieved
+from .stepmodel import predict, rest_from_seed
+from .timing import bench
 
 INTERACTIVE_RUN = DATA_DIR / "runs" / "interactive"  # where notebooks run by hand record
 MAIN_PATHS = ("full_pool_cast", "gather_cast", "fp8_native")
@@ -85,7 +91,7 @@ class Lab:
         pool = self.pool
         if pool_tokens is not None:
             pool = random_pool(1, pool_tokens, p.page_size, p.kv_dtype, c.kv_lora_rank, c.qk_rope_head_dim,
-                               device=p.device, seed=p.seed + 1)
+                               device=p.device, seed=p.seed)
         lens = list(lens) if lens is not None else p.lens
         batch = self.batch if pool is self.pool and lens == p.lens else batch_for_pool(pool, lens, p.seed)
         heads = heads or self.q_nope.shape[1]
@@ -130,10 +136,6 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     call (labkit.timing, host included), ``device_ms`` of its kernels and ``<category>_ms`` split
     (labkit.profiling, median of 3), the shape and ``extra``; with ``ceilings`` also bytes, GB/s,
     TFLOP/s and % of roofline of the device time (labkit.roofline.achieved)."""
-    from .profiling import CATEGORIES
-    from .roofline import achieved
-    from .timing import bench
-
     lab = _on(lab, backend)
     t = bench(lambda: lab.decode(backend), warmup_ms=lab.warmup_ms, rep_ms=lab.rep_ms, device=lab.device)
     prof = profile_step(lab, backend, layers=[0], repeats=3).set_index("category").device_ms
@@ -169,8 +171,6 @@ def compare_outputs(lab: Lab, names: list[str]) -> pd.DataFrame:
 
 def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto", ceilings=None) -> pd.DataFrame:
     """The paths on the lab's batch: time, bytes, extra memory (measured, predicted), roofline, error."""
-    from .memory import extra_memory, predicted_extra_bytes
-
     ref = oracle(lab)
     rows = []
     for path in paths:
@@ -187,8 +187,6 @@ def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto"
 
 def sweep(lab: Lab, name: str, values, make_case, names: list[str], ceilings=None) -> pd.DataFrame:
     """Time each backend in ``names`` on ``make_case(lab, v)`` for every v, with a progress bar."""
-    from tqdm.auto import tqdm
-
     rows = []
     for v in tqdm(values, desc=name, unit="point"):
         case = make_case(lab, v)
@@ -236,8 +234,6 @@ def save(rows, run_dir, name: str, p: LabParams | None = None) -> Path:
     """Write rows (a DataFrame or dicts, timing keys optional) as records ``<run_dir>/<name>.parquet``,
     replacing an earlier file of that name; with ``p`` each record carries the run's parameters
     and the device's environment."""
-    from . import results
-
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
     env = results.env_info(p.device) if p is not None else {}
     recs = []
@@ -274,10 +270,7 @@ def describe(p: LabParams) -> pd.DataFrame:
 
 def memory_table(p: LabParams) -> pd.DataFrame:
     """Bytes each path allocates per layer beyond the pool (labkit.memory), beside the pool itself."""
-    from .config import _device_memory_bytes
-    from .memory import predicted_extra_bytes
-
-    total = _device_memory_bytes(p.device) or float("nan")
+    total = config._device_memory_bytes(p.device) or float("nan")
     read = sum(-(-n // p.page_size) for n in p.lens) * p.page_size  # a gather copies whole pages
     rows = []
     for path in MAIN_PATHS:
@@ -294,8 +287,6 @@ _profiler_started = False
 def profile_step(lab: Lab, backend, layers=None, repeats: int = 1) -> pd.DataFrame:
     """labkit.profiling's breakdown of one decode step (all the pool's layers) as rows with timing
     keys; with ``repeats`` > 1 the per-category median of that many profiled steps."""
-    from .profiling import profile_decode_step
-
     global _profiler_started
     run = lambda n: profile_decode_step(backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale,  # noqa: E731
                                         layers=n)
@@ -340,9 +331,6 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
     the kernels' device time (a server replays decode as a CUDA graph: no launch cost).
     Without a bf16_pool row the path's whole time counts (an upper bound on the step).
     """
-    from .config import load_model
-    from .stepmodel import predict, rest_from_seed
-
     rest = rest_from_seed() if rest_ms is None else rest_ms
     tables, paths_rows = [], records_of(df, "paths")
     for run, d in (paths_rows.groupby("run") if len(paths_rows) else []):
