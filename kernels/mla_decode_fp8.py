@@ -320,9 +320,10 @@ GPU_DEFAULTS = {
 
 
 def default_config(H: int, on_gpu: bool, q_fp8: bool | None = None) -> dict:
-    """Tuning per head count (and query precision; None: the default, an FP8 query). The CPU
+    """Tuning per head count (and query precision; None: the default, an FP8 query); the small-head
+    configs need more shared memory than an sm_90 SM has once BLOCK_H reaches 32 heads. The CPU
     (interpreter) runs fp32 dots but keeps the FP8 query, so both compute the same function."""
-    cfg = dict(GPU_DEFAULTS[("large_h" if H > 32 else "small_h", True if q_fp8 is None else bool(q_fp8))])
+    cfg = dict(GPU_DEFAULTS[("large_h" if H > 16 else "small_h", True if q_fp8 is None else bool(q_fp8))])
     if not on_gpu:
         cfg.update(cvt="f32", pv_fp8=False, swap=0, prefetch=False, block_n=128, num_warps=4, num_stages=1)
     return cfg

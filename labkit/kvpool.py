@@ -139,6 +139,8 @@ class DecodeBatch:
     kv_last_page_len: [B] int32, tokens used in each request's last page (1..page_size)
     kv_lens:          [B] int32, context length of each request
     token_indices:    reserved for sparse (DSA top-k) decode: [B, topk] int32 token ids, or None
+    lens_host:        the context lengths as a host tuple, so that launchers never read them back
+                      from the device (a sync per call, which would stall a decode step)
     """
 
     kv_indptr: torch.Tensor
@@ -147,6 +149,11 @@ class DecodeBatch:
     kv_lens: torch.Tensor
     page_size: int
     token_indices: torch.Tensor | None = None
+    lens_host: tuple | None = None
+
+    def __post_init__(self):
+        if self.lens_host is None:
+            self.lens_host = tuple(int(n) for n in self.kv_lens.tolist())
 
     @property
     def batch_size(self) -> int:
@@ -155,7 +162,7 @@ class DecodeBatch:
     @property
     def num_tokens(self) -> int:
         """L: tokens the batch reads (per layer)."""
-        return int(self.kv_lens.sum())
+        return sum(self.lens_host)
 
     @property
     def num_pages(self) -> int:
@@ -163,7 +170,7 @@ class DecodeBatch:
 
     @property
     def max_len(self) -> int:
-        return int(self.kv_lens.max())
+        return max(self.lens_host)
 
     def to(self, device) -> "DecodeBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
