@@ -5,6 +5,7 @@ import datetime as _dt
 import platform
 import re
 import socket
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,12 @@ def _run(cmd: list[str], cwd=None) -> str | None:
 
 
 def git_revision(repo: Path = REPO) -> str:
-    """``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it; ``unknown`` outside git."""
+    """``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it. Outside git (a copy
+    of the tree on a GPU machine) the revision the copy was made from, from ``$LAB_GIT_REV``, or
+    ``unknown``."""
     rev = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     if rev is None:
-        return "unknown"
+        return os.environ.get("LAB_GIT_REV") or "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return rev + ("+dirty" if dirty else "")
 

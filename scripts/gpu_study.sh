@@ -8,6 +8,8 @@
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh (-> .whl/) and, for the FlashInfer peers,
 # ../shared/tools/flashinfer-offline.sh (-> fi/); carry both folders. Both install into /tmp/site.
+# Such a copy has no .git: pass the revision it was made from as LAB_GIT_REV (results record it):
+#   LAB_GIT_REV=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty) bash scripts/gpu_study.sh
 # Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/lab-out}}
