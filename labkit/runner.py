@@ -87,9 +87,20 @@ def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=Non
         dict(profile=p.profile, notebooks=[nb.stem for nb in p.notebooks], params=p.params, command=p.command),
         indent=1))
     log(f"run folder {run_dir} (profile {p.profile}); kernel messages go to kernels.log there")
-    with _stderr_to(run_dir / "kernels.log"):
+    with _stderr_to(run_dir / "kernels.log"), _inline_plots():
         _execute_all(p, run_dir, progress, log)
     return run_dir
+
+
+@contextlib.contextmanager
+def _inline_plots():
+    """Kernels draw figures into the notebooks even where MPLBACKEND names a file backend (agg)."""
+    saved = os.environ.pop("MPLBACKEND", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
 
 
 @contextlib.contextmanager

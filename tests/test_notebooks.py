@@ -27,7 +27,8 @@ def test_committed_notebooks_are_clean():
 
 @pytest.mark.notebooks
 def test_notebooks_as_committed_pass_nbval(tmp_path):
-    env = dict(os.environ, LABKIT_RUN_DIR=str(tmp_path), MPLBACKEND="agg")
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # inline figures, as in Jupyter
+    env["LABKIT_RUN_DIR"] = str(tmp_path)
     r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
                         str(runner.NOTEBOOKS_DIR)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
