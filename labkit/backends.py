@@ -114,7 +114,8 @@ def capability_table() -> list[dict]:
     for n, why in UNAVAILABLE.items():
         path, impl = _UNAVAILABLE_PATH.get(n, (n.split(".")[0], n.split(".", 1)[-1]))
         rows.append(dict(backend=n, path=path, impl=impl, available=False, note=why))
-    return rows
+    keys = list(rows[0])
+    return [{k: r.get(k, "-") for k in keys} for r in rows]  # same columns, no gaps to fill
 
 
 def _span(sizes) -> str:

@@ -32,6 +32,7 @@ DEFAULTS = dict(
     # where records and figures go (set by labkit run; None: data/runs/interactive)
     run_dir=None,
     runs=[],  # 04: more run folders or globs to report beside run_dir
+    interactive=True,  # 03: sliders over the stored results (JupyterLab); labkit run sets False
 )
 
 PROFILES = {
@@ -60,7 +61,7 @@ PROFILES = {
 }
 
 LAB_FIELDS = tuple(f for f in LabParams.__dataclass_fields__ if f not in ("cfg", "lens"))
-SET_BY_RUNNER = ("run_dir",)
+SET_BY_RUNNER = ("run_dir", "interactive")
 
 
 def default_profile(device: str = "auto") -> str:

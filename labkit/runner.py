@@ -127,7 +127,8 @@ def _execute_all(p: Plan, run_dir: Path, progress: bool, log) -> None:
     for i, nb in enumerate(p.notebooks, 1):
         out = run_dir / nb.name
         declared = pm.inspect_notebook(str(nb))
-        params = {k: v for k, v in {**p.params, "run_dir": str(run_dir)}.items() if k in declared}
+        params = {**p.params, "run_dir": str(run_dir), "interactive": False}  # no widgets in a batch run
+        params = {k: v for k, v in params.items() if k in declared}
         log(f"[{i}/{len(p.notebooks)}] {nb.stem}")
         t0 = time.perf_counter()
         try:

@@ -150,6 +150,30 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     return row
 
 
+# (backend, on the BF16 copy of the pool): our fastest FP8 kernel and FlashInfer's MLA kernels
+PEERS = (("fp8_native.triton_q8", False), ("flashinfer_mla", False), ("flashinfer_mla", True),
+         ("flashinfer_mla_fp8", False))
+
+
+def peers(lab: Lab, ceilings=None) -> pd.DataFrame:
+    """The peers on the lab's batch, each checked against the oracle, then timed; a peer that is not
+    here (FlashInfer absent, a CPU) is a row whose ``note`` says why."""
+    ref = oracle(lab)
+    rows = []
+    for name, on_bf16 in PEERS:
+        label = name + (" [BF16 pool]" if on_bf16 else " [FP8 pool]")
+        on = lab.bf16() if on_bf16 and lab.pool.kv_dtype != "bf16" else lab
+        try:
+            b = backends.get(name)
+            b.check(on.q_nope, on.pool)
+        except ValueError as e:
+            rows.append(dict(label=label, backend=name, note=str(e)))
+            continue
+        err = reference.rel_err(on.decode(b), ref)
+        rows.append(dict(label=label, note="", **time_backend(on, b, ceilings, rel_err=err, experiment="peers")))
+    return pd.DataFrame(rows)
+
+
 def oracle(lab: Lab, layer: int = 0) -> torch.Tensor:
     """float64 absorbed MLA over the dequantized layer: [B, H, 512]."""
     kv = lab.pool.dequant(layer, torch.float64)

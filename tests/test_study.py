@@ -118,3 +118,22 @@ def test_describe_and_memory_at_the_seed_scale(monkeypatch):
     mem = study.memory_table(p).set_index("path")
     assert mem.predicted_extra_bytes.full_pool_cast > 495_000 * 1152 > 50 * mem.predicted_extra_bytes.gather_cast
     assert torch.isnan(torch.tensor(mem.share_of_device.iloc[0]))
+
+
+def test_peers_rows_are_checked_or_say_why():
+    import importlib.util
+
+    from labkit import study
+    from labkit.config import LabParams
+
+    p = LabParams.make(model="tiny", num_layers=1, pool_tokens=2048, page_size=16, batch_size=2,
+                       context_lens=[70, 33], device="cpu")
+    lab = study.Lab.build(p, warmup_ms=1, rep_ms=1)
+    df = study.peers(lab)
+    assert list(df.label) == ["fp8_native.triton_q8 [FP8 pool]", "flashinfer_mla [FP8 pool]",
+                              "flashinfer_mla [BF16 pool]", "flashinfer_mla_fp8 [FP8 pool]"]
+    ours = df.iloc[0]
+    # FP8 query, one scale per request and head block: e4m3 rounding of q dominates (~6e-3)
+    assert ours.note == "" and 0 < ours.rel_err < 2e-2 and ours.device_ms > 0
+    if importlib.util.find_spec("flashinfer") is None:
+        assert df.iloc[1:].note.str.contains("flashinfer").all()
