@@ -38,8 +38,11 @@ def _mla_merge_kernel(
     S_POW2: tl.constexpr,  # next power of two >= S
     DV: tl.constexpr,  # 512
     BLOCK_H: tl.constexpr,  # heads per program
+    BLOCK_D: tl.constexpr,  # output columns per program (a divisor of DV)
     RNE_BF16: tl.constexpr,  # round to bf16 before the store (CPU interpreter, bf16 output)
 ):
+    # grid (B, head blocks, DV / BLOCK_D): at batch 1 the columns spread the work over the chip;
+    # all splits of a (head, column block) are loaded as one tile, so their loads are in flight together
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     hmask = heads < H
@@ -52,24 +55,24 @@ def _mla_merge_kernel(
     w = tl.exp2(lse2 - m_safe[:, None])  # [BLOCK_H, S_POW2], 0 for empty splits
     total = tl.sum(w, 1)  # [BLOCK_H]
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
-    dv = tl.arange(0, DV)
-    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
-    for s in range(num_splits):
-        ws = tl.sum(tl.where(splits[None, :] == s, w, 0.0), 1)  # [BLOCK_H] weight of split s
-        o = tl.load(part_out_ptr + (bh[:, None] * num_splits + s) * DV + dv[None, :],
-                    mask=hmask[:, None] & (ws[:, None] > 0), other=0.0)  # [BLOCK_H, DV]
-        acc += ws[:, None] * o
+    dv = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = bh[:, None] * num_splits + splits[None, :]  # [BLOCK_H, S_POW2]
+    # empty splits are never read: their partials were never written
+    o = tl.load(part_out_ptr + rows[:, :, None] * DV + dv[None, None, :],
+                mask=(hmask[:, None] & (w > 0))[:, :, None], other=0.0)  # [BLOCK_H, S_POW2, BLOCK_D]
+    acc = tl.sum(w[:, :, None] * o, 1)  # [BLOCK_H, BLOCK_D]
     acc = acc * (inv * out_scale)[:, None]
     if RNE_BF16:
         acc = round_to_bf16(acc)
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(total > 0, (m_safe + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, -float("inf"))
-    tl.store(lse_ptr + bh, lse, mask=hmask)
+    tl.store(lse_ptr + bh, lse, mask=hmask & (tl.program_id(2) == 0))
 
 
 def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype,
-              out_scale: float = 1.0, *, block_h: int = 16, num_warps: int = 4):
+              out_scale: float = 1.0, *, block_h: int | None = None, block_d: int | None = None,
+              num_warps: int = 4):
     """Merge split-KV partials.
 
     Parameters
@@ -97,11 +100,20 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
         raise ValueError(f"part_out: DV={DV} must be a power of two")
     out = torch.empty(B, H, DV, dtype=out_dtype, device=part_out.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=part_out.device)
+    s_pow2 = triton.next_power_of_2(S)
+    if part_out.device.type == "cpu":  # the interpreter: as few programs as possible
+        block_d = block_d or DV
+        block_h = block_h or 16
+    else:  # about 8K partial values a program (32 per thread at 4 warps): enough programs at batch 1
+        block_d = block_d or min(DV, 128)
+        block_h = block_h or max(1, 8192 // (s_pow2 * block_d))
     block_h = min(block_h, triton.next_power_of_2(H))
-    grid = (B, triton.cdiv(H, block_h))
+    if DV % block_d or block_d & (block_d - 1):
+        raise ValueError(f"mla_merge: block_d={block_d} must be a power of two dividing DV={DV}")
+    grid = (B, triton.cdiv(H, block_h), DV // block_d)
     _mla_merge_kernel[grid](
         part_out, part_lse, out, lse, H, out.stride(0), out.stride(1), float(out_scale),
-        S, S_POW2=triton.next_power_of_2(S), DV=DV, BLOCK_H=block_h,
+        S, S_POW2=s_pow2, DV=DV, BLOCK_H=block_h, BLOCK_D=block_d,
         RNE_BF16=(out_dtype == torch.bfloat16 and part_out.device.type == "cpu"), num_warps=num_warps,
     )
     return out, lse

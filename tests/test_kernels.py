@@ -7,6 +7,8 @@ Tests marked ``gpu`` run the same checks on larger shapes on a CUDA device (skip
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -308,3 +310,24 @@ def test_gpu_mla_decode_16bit_and_casts(page_size, heads, splits):
     assert torch.equal(fp8_to_bf16(pool.layer(0)), pool.layer(0).to(torch.bfloat16))
     assert torch.equal(gather_cast(pool.layer(0), batch.kv_indices),
                        pool.layer(0)[batch.kv_indices.long()].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("block_h, block_d", [(None, None), (1, 128), (2, 64)])
+def test_merge_against_torch_lse_merge(block_h, block_d):
+    """Split partials merged by log-sum-exp, in the CPU layout and in the GPU's finer tiling
+    (heads x column blocks): empty splits (lse -inf) hold NaN and must never be read."""
+    from labkit.kernels.mla_merge import mla_merge
+
+    g = torch.Generator().manual_seed(11)
+    B, H, S, DV = 2, 3, 5, 512
+    part = torch.randn(B, H, S, DV, generator=g)
+    lse2 = torch.randn(B, H, S, generator=g) * 3
+    lse2[0, 1, 2:] = -float("inf")  # a short request: its last splits are empty
+    part[0, 1, 2:] = float("nan")
+    lse2[1, 2, :] = -float("inf")  # an empty head row
+    out, lse = mla_merge(part, lse2, torch.float32, 0.5, block_h=block_h, block_d=block_d)
+    w = torch.softmax(lse2.double() * math.log(2), dim=-1).nan_to_num(0.0)  # [B, H, S]
+    ref = (w[..., None] * part.double().nan_to_num(0.0)).sum(2) * 0.5
+    ref_lse = torch.logsumexp(lse2.double() * math.log(2), dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
