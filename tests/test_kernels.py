@@ -75,7 +75,7 @@ def _check(out, lse, ref, ref_lse, tol, tol_lse):
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output"
     assert reference.rel_err(out, ref) < tol
     assert torch.isfinite(lse).all()
-    assert float((lse.double() - ref_lse.cpu()).abs().max()) < tol_lse
+    assert float((lse.double().cpu() - ref_lse.double().cpu()).abs().max()) < tol_lse
 
 
 # ------------------------------------------------------------------ casts -----------------------
