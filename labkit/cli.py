@@ -4,6 +4,7 @@
     labkit run 01 03 --profile gpu-seed -p pool_tokens 262144 -p context_lens '[4096, 8192]'
     labkit run --dry-run                 # check and print the parameters, run nothing
     labkit profiles                      # the profiles and what they set
+    labkit bench --grid gpu              # the benchmark (python -m labkit.bench)
 
 A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work.
 """
@@ -82,11 +83,21 @@ def cmd_profiles(args, argv) -> int:
     return 0
 
 
-SUBCOMMANDS = [add_run, add_profiles]
+# -- labkit bench ------------------------------------------------------------------------------
+def add_bench(sub) -> None:
+    # listed here for `labkit --help`; main() hands everything after `bench` to labkit.bench itself
+    sub.add_parser("bench", help="the paths and peers side by side over a shape grid (labkit bench --help)")
+
+
+SUBCOMMANDS = [add_run, add_profiles, add_bench]
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from . import bench
+
+        return bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description="The FP8 KV-cache decode lab.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:

@@ -35,3 +35,16 @@ def test_shapes_fit_their_pools():
         for s in grid:
             assert s.pool() >= s.batch * -(-s.ctx // s.page_size) * s.page_size
             assert s.pool() % s.page_size == 0
+
+
+def test_labkit_bench_is_the_same_entry_point(capsys):
+    import torch
+
+    from labkit import cli
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("CUDA is available here")
+    assert cli.main(["bench", "--grid", "gpu"]) == 2
+    assert "--grid gpu needs a CUDA device" in capsys.readouterr().err
