@@ -6,7 +6,9 @@
     fp8_native.triton      ``mla_decode_fp8(q_fp8=False)``: FP8 pages read directly, no 16-bit copy of
                            KV, 16-bit query: the same numbers as the cast paths (~1e-3 rel. error)
     fp8_native.triton_q8   ``mla_decode_fp8`` as it defaults: query in FP8 too (the trtllm_mla way),
-                           the fastest on the H200, ~6e-3 relative error
+                           ~6e-3 relative error
+    fp8_native.triton_tma  ``mla_decode_fp8_tma``: the same numbers as triton_q8, tiles fed by TMA into
+                           a shared-memory ring; page sizes 64/128, up to 32 heads, sm_90+
     bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)
 
 Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
@@ -22,10 +24,12 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
+from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma
 
 from .kvpool import DecodeBatch, KVPool
 
 FP8_SM = (8, 9)  # Triton's float8e4nv needs sm_89+ (Ada, Hopper, Blackwell)
+TMA_SM = (9, 0)  # tensor-memory-access descriptors and wgmma: Hopper and later
 BF16_SM = (8, 0)  # bf16 tensor cores
 
 
@@ -69,6 +73,12 @@ def fp8_native_triton_q8(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBa
                           sm_scale, k_scale=pool.scale(layer), q_fp8=True, max_len=batch.max_len)
 
 
+def fp8_native_triton_tma(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """FP8 pages by TMA into a shared-memory ring, FP8 query for the scores, V widened in registers."""
+    return mla_decode_fp8_tma(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                              sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
+
+
 def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
     """The 16-bit kernel on a pool already in BF16; FP8 pages are refused by mla_decode itself."""
     return _decode16(q_nope, q_pe, pool.layer(layer), batch, sm_scale, pool.scale(layer))
@@ -93,6 +103,10 @@ register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_t
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="fastest on the H200; ~6e-3 relative error against ~1.3e-3 with a 16-bit query"))
+register(Backend("fp8_native.triton_tma", "fp8_native", "triton_tma", fp8_native_triton_tma,
+                 kv_dtypes=("fp8_e4m3",), min_capability=TMA_SM, page_sizes=(64, 128), max_heads=32,
+                 runs_on_cpu=True, kernel="Triton mla_decode_fp8_tma: TMA ring, FP8 scores, V widened in registers",
+                 note="tiles never straddle a page: page sizes 64 and 128; FP8 query as triton_q8"))
 register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",),
                  min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",

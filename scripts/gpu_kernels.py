@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KERNEL_MODULES = ("mla_merge", "mla_decode", "mla_decode_fp8", "fp8_to_bf16", "gather_cast")
+KERNEL_MODULES = ("mla_merge", "mla_decode", "mla_decode_fp8", "mla_decode_fp8_tma", "fp8_to_bf16", "gather_cast")
 
 
 def alias_kernels():
@@ -63,6 +63,16 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
 from labkit.kernels.gather_cast import gather_cast  # noqa: E402
 from labkit.kernels.mla_decode import mla_decode  # noqa: E402
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8  # noqa: E402
+from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma  # noqa: E402
+
+
+def fp8_call(*args, kernel="gather", **kw):
+    """mla_decode_fp8 (pointer gathers) or, for kernel="tma", mla_decode_fp8_tma."""
+    return (mla_decode_fp8_tma if kernel == "tma" else mla_decode_fp8)(*args, **kw)
+
+
+def tma_variant(w, s, halves, pv, ctas=1):
+    return dict(kernel="tma", num_warps=w, num_stages=s, halves=halves, pv_swap=pv, ctas_per_sm=ctas)
 
 DEV = "cuda"
 PAGE = 64
@@ -101,6 +111,18 @@ FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
     "fp8.q8pv8_pipe64_swap1": dict(cvt="asm", q_fp8=True, pv_fp8=True, prefetch=False, swap=1, block_n=64,
                                    num_warps=4, num_stages=3),
 }
+FP8_SMALL_H.update({  # TMA ring (kernels/mla_decode_fp8_tma.py), page sizes 64 / 128; FP8 query
+    "tma.w4_s4_h2_pv1": tma_variant(4, 4, 2, 1),
+    "tma.w4_s4_h2_pv0": tma_variant(4, 4, 2, 0),
+    "tma.w4_s4_h1_pv1": tma_variant(4, 4, 1, 1),
+    "tma.w4_s3_h2_pv1": tma_variant(4, 3, 2, 1),
+    "tma.w8_s4_h2_pv1": tma_variant(8, 4, 2, 1),
+    "tma.w8_s4_h1_pv0": tma_variant(8, 4, 1, 0),
+    "tma.w8_s3_h1_pv1": tma_variant(8, 3, 1, 1),
+    "tma.w4_s2_h2_pv1_c2": tma_variant(4, 2, 2, 1, ctas=2),
+    "tma.w8_s2_h2_pv1_c2": tma_variant(8, 2, 2, 1, ctas=2),
+    "tma.default": dict(kernel="tma"),
+})
 FP8_LARGE_H = {  # 64 / 128 heads (BLOCK_H 64, 8 warps): compute-bound
     "fp8.study_bf16": dict(cvt="bf16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
     "fp8.asm_pipe32": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
@@ -211,12 +233,14 @@ CHECK_CASES = [  # (page_size, heads, lens, every variant or a few)
     (1, 8, [1, 2, 37, 700], False),
     (128, 128, [1, 127, 128, 129, 3000], True),
     (16, 64, [5, 16, 17, 2048], False),
+    (128, 8, [1, 127, 128, 129, 3000], False),
 ]
-FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32")
+FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32", "tma.default", "tma.w8_s4_h2_pv1")
 
 
-def checked_variants(H, every):
-    return {k: v for k, v in fp8_variants(H).items() if every or k in FEW}
+def checked_variants(H, every, ps=PAGE):
+    return {k: v for k, v in fp8_variants(H).items() if (every or k in FEW)
+            and not (v.get("kernel") == "tma" and ps % 64)}
 
 
 def correctness(results, only):
@@ -262,12 +286,12 @@ def correctness(results, only):
         check("mla_decode(bf16, splits=3)", lambda: mla_decode(qn, qp, pool16.layer(0), *args, SM_SCALE,
                                                                num_splits=3, return_lse=True), ref16, lse16,
               TOL_BF16, TOL_LSE)
-        for vname, kw in checked_variants(H, every).items():
+        for vname, kw in checked_variants(H, every, ps).items():
             q8 = kw.get("q_fp8", True)  # the default is an FP8 query
             for ns in (None, 1):
                 check(f"{vname}{'' if ns is None else '/s1'}",
-                      lambda kw=kw, ns=ns: mla_decode_fp8(qn, qp, pool.layer(0), *args, SM_SCALE, pool.scale(0),
-                                                          num_splits=ns, return_lse=True, **kw),
+                      lambda kw=kw, ns=ns: fp8_call(qn, qp, pool.layer(0), *args, SM_SCALE, pool.scale(0),
+                                                    num_splits=ns, return_lse=True, **kw),
                       ref8, lse8, TOL_Q8 if q8 else TOL_BF16, TOL_LSE_Q8 if q8 else TOL_LSE, refsrc)
         # the refusal: 16-bit kernel given FP8 pages
         try:
@@ -314,7 +338,7 @@ def precompile(shapes, only, workers, timeout_s=180):
                 jobs.append(("bf16", H, PAGE, kw))
     for ps, H, _, every in CHECK_CASES:
         jobs.append(("bf16", H, ps, {}))
-        for name, kw in checked_variants(H, every).items():
+        for name, kw in checked_variants(H, every, ps).items():
             if ps != PAGE and (not only or re.search(only, name)):
                 jobs.append(("fp8", H, ps, kw))
     t = time.time()
@@ -337,7 +361,7 @@ def _compile_job(job):
         args = (qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM_SCALE)
         for ns in (1, 3):
             if kind == "fp8":
-                mla_decode_fp8(*args, 1.0, num_splits=ns, **kw)
+                fp8_call(*args, 1.0, num_splits=ns, **kw)
             else:
                 mla_decode(*args, num_splits=ns, **kw)
         torch.cuda.synchronize()
@@ -388,8 +412,8 @@ def timings(results, shapes, only, ceil):
             record("bf16_pool", name, lambda kw=kw: mla_decode(qn, qp, pool16.layer(0), *args, SM_SCALE,
                                                                max_len=L, **kw), tokens * 1152)
         for name, kw in fp8_variants(H).items():
-            record("fp8_native", name, lambda kw=kw: mla_decode_fp8(qn, qp, pool8.layer(0), *args, SM_SCALE,
-                                                                    pool8.scale(0), max_len=L, **kw), tokens * 576)
+            record("fp8_native", name, lambda kw=kw: fp8_call(qn, qp, pool8.layer(0), *args, SM_SCALE,
+                                                              pool8.scale(0), max_len=L, **kw), tokens * 576)
         # split counts for the two fastest FP8 variants that passed their checks, and the best BF16
         here = [r for r in rows if r["shape"] == shape and "us" in r]
         good8 = sorted((r for r in here if r["group"] == "fp8_native" and checked_ok.get(r["variant"], True)),
@@ -397,7 +421,7 @@ def timings(results, shapes, only, ceil):
         for r in good8[:2]:
             kw = fp8_variants(H)[r["variant"]]
             for ns in (1, 2, 4, 8, 16):
-                record("splits", f"{r['variant']}/s{ns}", lambda kw=kw, ns=ns: mla_decode_fp8(
+                record("splits", f"{r['variant']}/s{ns}", lambda kw=kw, ns=ns: fp8_call(
                     qn, qp, pool8.layer(0), *args, SM_SCALE, pool8.scale(0), num_splits=ns, max_len=L, **kw),
                     tokens * 576)
         best16 = sorted((r for r in here if r["group"] == "bf16_pool"), key=lambda r: r["us"])
