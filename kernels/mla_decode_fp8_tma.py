@@ -46,6 +46,16 @@ def _load_page(ptr, CVT: tl.constexpr):
 
 
 @triton.jit
+def _store_out(ptrs, out, hmask, CVT: tl.constexpr):
+    """Final output rows in the output dtype (rounded to nearest bf16 first in the interpreter,
+    whose own fp32 -> bf16 cast truncates)."""
+    if CVT == 0:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            out = round_to_bf16(out)
+    tl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
 def _tile(ckv_desc, kpe_desc, kv_indices_ptr, page_base, n0, end, q_n, q_nb, q_p, qk_scale, m_i, l_i, acc, acc_b,
           MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CVT: tl.constexpr,
           PV_SWAP: tl.constexpr, HALVES: tl.constexpr):
@@ -134,7 +144,6 @@ def _mla_decode_fp8_tma_kernel(
     split = tl.program_id(2)
     heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     hmask = heads < H
-    dc = tl.arange(0, DC)
     dv = tl.arange(0, DV)
     dp = tl.arange(0, DP)
 
@@ -184,20 +193,18 @@ def _mla_decode_fp8_tma_kernel(
     if PV_SWAP:
         acc = tl.trans(acc)
         acc_b = tl.trans(acc_b)
-    if HALVES == 2:  # [BLOCK_H, 512]: the two halves side by side
-        acc = tl.reshape(tl.permute(tl.join(acc, acc_b), (0, 2, 1)), [BLOCK_H, DC])
     if DIRECT:
-        out = acc * (inv * out_scale)[:, None]
-        if CVT == 0:  # the interpreter truncates fp32 -> bf16: round first (no-op for fp16 outputs)
-            if o_ptr.dtype.element_ty == tl.bfloat16:
-                out = round_to_bf16(out)
-        tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        o_rows = o_ptr + b * stride_o_b + heads[:, None] * stride_o_h
+        _store_out(o_rows + dv[None, :], acc * (inv * out_scale)[:, None], hmask, CVT)
+        if HALVES == 2:  # each half to its own columns (no join of the two accumulators)
+            _store_out(o_rows + (DH + dv)[None, :], acc_b * (inv * out_scale)[:, None], hmask, CVT)
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
         tl.store(lse_ptr + b * H + heads, lse, mask=hmask)
     else:
         row_o = (b * H + heads) * num_splits + split
-        tl.store(o_ptr + row_o[:, None] * DC + dc[None, :], acc * inv[:, None], mask=hmask[:, None])
+        tl.store(o_ptr + row_o[:, None] * DC + dv[None, :], acc * inv[:, None], mask=hmask[:, None])
+        if HALVES == 2:
+            tl.store(o_ptr + row_o[:, None] * DC + (DH + dv)[None, :], acc_b * inv[:, None], mask=hmask[:, None])
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf"))
         tl.store(lse_ptr + row_o, lse2, mask=hmask)
 
