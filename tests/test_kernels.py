@@ -350,6 +350,8 @@ GPU_VARIANTS = {**VARIANTS, "asm_pipe64": dict(q_fp8=False, cvt="asm", block_n=6
 @pytest.mark.parametrize("page_size,heads", [(64, 16), (1, 8), (128, 128), (16, 64)])
 def test_gpu_mla_decode_fp8(variant, page_size, heads):
     kw = GPU_VARIANTS[variant]
+    if kw.get("swap") and heads > 32:
+        pytest.skip("swapped tiles are for few heads: 64 heads need more shared memory than an SM has")
     lens = _edge_lens(page_size) + [4097, 1000]
     pool, _, batch, qn, qp = _case(page_size, lens, heads, 5, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
