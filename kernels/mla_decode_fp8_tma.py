@@ -27,10 +27,12 @@ from .mla_decode import D_CKV, D_KPE, LOG2E, check_decode_args, default_num_spli
 from .mla_decode_fp8 import _widen, quantize_q_fp8
 from .mla_merge import mla_merge, round_to_bf16
 
-try:  # Triton >= 3.3: host-side TMA descriptors
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton
-    TensorDescriptor = None
+HAS_DEVICE_TMA = hasattr(tl, "make_tensor_descriptor")  # Triton >= 3.4
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for descriptors built on the device (Triton asks its allocator for it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @triton.jit
@@ -111,8 +113,8 @@ def _tile(ckv_desc, kpe_desc, kv_indices_ptr, page_base, n0, end, q_n, q_nb, q_p
 def _mla_decode_fp8_tma_kernel(
     q_nope_ptr,  # *[B, H, 512] bf16/fp16 (fp8 when Q_FP8 == 1); last dim contiguous
     q_pe_ptr,  # *[B, H, 64]
-    ckv_desc,  # TMA descriptor of the pool's rows [num_pages * PAGE, 512] fp8, block [BLOCK_N, 512]
-    kpe_desc,  # TMA descriptor of [num_pages * PAGE, 64] fp8 (columns 512..575), block [BLOCK_N, 64]
+    kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576], dense: seen as num_rows token rows of 576 bytes
+    num_rows,  # num_pages * PAGE
     kv_indptr_ptr,  # *i32 [B + 1]
     kv_indices_ptr,  # *i32 [nnz] page ids
     kv_lens_ptr,  # *i32 [B]
@@ -147,6 +149,12 @@ def _mla_decode_fp8_tma_kernel(
     dv = tl.arange(0, DV)
     dp = tl.arange(0, DP)
 
+    # TMA descriptors built here (a plain pointer launches faster than a host descriptor):
+    # ckv columns 0..511 in [BLOCK_N, 512 / HALVES] boxes, kpe columns 512..575 in [BLOCK_N, 64]
+    ckv_desc = tl.make_tensor_descriptor(kv_ptr, shape=[num_rows, DC], strides=[DC + DP, 1],
+                                         block_shape=[BLOCK_N, DV])
+    kpe_desc = tl.make_tensor_descriptor(kv_ptr + DC, shape=[num_rows, DP], strides=[DC + DP, 1],
+                                         block_shape=[BLOCK_N, DP])
     seq_len = tl.load(kv_lens_ptr + b)
     page_base = tl.load(kv_indptr_ptr + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -209,23 +217,16 @@ def _mla_decode_fp8_tma_kernel(
         tl.store(lse_ptr + row_o, lse2, mask=hmask)
 
 
-# Tuning per head class on the GPU; see docs/perf-notes.md (run 3) for the measurements.
-GPU_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, pv_swap=1, halves=2, ctas_per_sm=1)
+# Measured on the H200 (scripts/gpu_tma.py, docs/perf-notes.md run 3): two CTAs per SM, each with a
+# two-stage ring (85 KB of shared memory), V by halves, p @ V with heads on M, beat one CTA with a
+# deeper ring (3 or 4 stages) at every shape tried.
+GPU_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, pv_swap=0, halves=2, ctas_per_sm=2)
+MAX_HEADS = 32  # tuned and measured up to 32 heads; more (BLOCK_H 64) spills registers
 
 
 def supports(page_size: int, H: int, block_n: int = 64) -> bool:
     """Whether this kernel takes the shape: tiles must not straddle pages."""
-    return TensorDescriptor is not None and page_size % block_n == 0 and 1 <= H <= 128
-
-
-def pool_descriptors(kv_buffer: torch.Tensor, block_n: int, halves: int = 1):
-    """TMA descriptors of a [num_pages, page_size, 576] FP8 pool viewed as token rows: the 512 ckv
-    columns in [block_n, 512 / halves] boxes and the 64 kpe columns in [block_n, 64] boxes."""
-    rows = kv_buffer.shape[0] * kv_buffer.shape[1]
-    flat = kv_buffer.reshape(rows, D_CKV + D_KPE)  # a view: token rows are contiguous, pages dense
-    ckv = TensorDescriptor(flat, [rows, D_CKV], [D_CKV + D_KPE, 1], [block_n, D_CKV // halves])
-    kpe = TensorDescriptor(flat[:, D_CKV:], [rows, D_KPE], [D_CKV + D_KPE, 1], [block_n, D_KPE])
-    return ckv, kpe
+    return HAS_DEVICE_TMA and page_size % block_n == 0 and 1 <= H <= 32
 
 
 def mla_decode_fp8_tma(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
@@ -261,8 +262,9 @@ def mla_decode_fp8_tma(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torc
     """
     B, H, page_size = check_decode_args("mla_decode_fp8_tma", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices,
                                         kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
-    if TensorDescriptor is None:
-        raise ValueError("mla_decode_fp8_tma: this Triton has no host TensorDescriptor (needs >= 3.3)")
+    if not HAS_DEVICE_TMA:
+        raise ValueError(f"mla_decode_fp8_tma: Triton {triton.__version__} cannot build TMA descriptors in a "
+                         f"kernel (tl.make_tensor_descriptor, Triton >= 3.4)")
     dev = q_nope.device
     on_gpu = dev.type == "cuda"
     cfg = dict(GPU_CONFIG)
@@ -283,6 +285,11 @@ def mla_decode_fp8_tma(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torc
         raise ValueError(f"mla_decode_fp8_tma: pv_swap={cfg['pv_swap']!r}; allowed 0, 1")
     if cfg["halves"] not in (1, 2):
         raise ValueError(f"mla_decode_fp8_tma: halves={cfg['halves']!r}; allowed 1, 2")
+    if cfg["pv_swap"] == 1 and cfg["halves"] == 2:  # Triton 3.6 on the H200: wrong outputs at 16 heads
+        raise ValueError("mla_decode_fp8_tma: pv_swap=1 with halves=2 is refused: it computed wrong outputs on "
+                         "the H200 (Triton 3.6, 16 heads); use halves=1 or pv_swap=0")
+    if H > MAX_HEADS:
+        raise ValueError(f"mla_decode_fp8_tma: {H} heads; allowed 1..{MAX_HEADS} (use mla_decode_fp8 for more)")
     if v_scale is None:
         v_scale = k_scale
     block_h = pick_block_h(H, block_h)
@@ -310,9 +317,10 @@ def mla_decode_fp8_tma(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torc
     else:
         o_buf = torch.empty(B, H, num_splits, D_CKV, dtype=torch.float32, device=dev)
         lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
-    ckv_desc, kpe_desc = pool_descriptors(kv_buffer, block_n, cfg["halves"])
+    if on_gpu:
+        triton.set_allocator(_scratch)  # the kernel's descriptors live in Triton-allocated scratch
     _mla_decode_fp8_tma_kernel[(B, head_blocks, num_splits)](
-        qn, qp, ckv_desc, kpe_desc, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
+        qn, qp, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         q_scale if q_scale is not None else lse_buf, qk_scale, float(v_scale), H, num_splits,
         qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct, CVT=2 if on_gpu else 0,

@@ -112,16 +112,12 @@ FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
                                    num_warps=4, num_stages=3),
 }
 FP8_SMALL_H.update({  # TMA ring (kernels/mla_decode_fp8_tma.py), page sizes 64 / 128; FP8 query
-    "tma.w4_s4_h2_pv1": tma_variant(4, 4, 2, 1),
     "tma.w4_s4_h2_pv0": tma_variant(4, 4, 2, 0),
     "tma.w4_s4_h1_pv1": tma_variant(4, 4, 1, 1),
-    "tma.w4_s3_h2_pv1": tma_variant(4, 3, 2, 1),
-    "tma.w8_s4_h2_pv1": tma_variant(8, 4, 2, 1),
+    "tma.w4_s3_h2_pv0": tma_variant(4, 3, 2, 0),
     "tma.w8_s4_h1_pv0": tma_variant(8, 4, 1, 0),
-    "tma.w8_s3_h1_pv1": tma_variant(8, 3, 1, 1),
-    "tma.w4_s2_h2_pv1_c2": tma_variant(4, 2, 2, 1, ctas=2),
-    "tma.w8_s2_h2_pv1_c2": tma_variant(8, 2, 2, 1, ctas=2),
-    "tma.default": dict(kernel="tma"),
+    "tma.w4_s2_h1_pv1_c2": tma_variant(4, 2, 1, 1, ctas=2),
+    "tma.default": dict(kernel="tma"),  # w4_s2_h2_pv0_c2
 })
 FP8_LARGE_H = {  # 64 / 128 heads (BLOCK_H 64, 8 warps): compute-bound
     "fp8.study_bf16": dict(cvt="bf16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
@@ -235,7 +231,7 @@ CHECK_CASES = [  # (page_size, heads, lens, every variant or a few)
     (16, 64, [5, 16, 17, 2048], False),
     (128, 8, [1, 127, 128, 129, 3000], False),
 ]
-FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32", "tma.default", "tma.w8_s4_h2_pv1")
+FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32", "tma.default", "tma.w4_s4_h1_pv1")
 
 
 def checked_variants(H, every, ps=PAGE):

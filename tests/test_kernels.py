@@ -242,8 +242,8 @@ def test_q8_quantization_matches_its_description():
 
 
 # ------------------------------------------------------------------ TMA-fed FP8 decode -----------
-TMA_VARIANTS = {"pv1_h2": dict(pv_swap=1, halves=2), "pv0_h1": dict(pv_swap=0, halves=1),
-                "pv0_h2": dict(pv_swap=0, halves=2), "pv1_h1": dict(pv_swap=1, halves=1)}
+TMA_VARIANTS = {"pv0_h1": dict(pv_swap=0, halves=1), "pv0_h2": dict(pv_swap=0, halves=2),
+                "pv1_h1": dict(pv_swap=1, halves=1)}
 
 
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
@@ -288,6 +288,11 @@ def test_mla_decode_fp8_tma_refuses_what_it_cannot_tile():
     pool, _, batch, qn, qp = _case(64, [20], 4, 0)
     with pytest.raises(ValueError, match="halves=3; allowed 1, 2"):
         mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, halves=3)
+    with pytest.raises(ValueError, match="pv_swap=1 with halves=2 is refused"):
+        mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, halves=2, pv_swap=1)
+    qn64, qp64 = kvpool.make_queries(1, 64, seed=1)
+    with pytest.raises(ValueError, match="64 heads; allowed 1..32"):
+        mla_decode_fp8_tma(qn64, qp64, pool.layer(0), *_idx(batch), SM)
     strided = pool.layer(0)[::2]  # every other page: not a dense pool
     with pytest.raises(ValueError, match="pages must be dense"):
         mla_decode_fp8_tma(qn, qp, strided, *_idx(batch), SM)
@@ -361,7 +366,7 @@ def test_gpu_mla_decode_fp8(variant, page_size, heads):
 
 
 GPU_TMA_VARIANTS = {**TMA_VARIANTS, "default": dict(), "w8_s3": dict(num_warps=8, num_stages=3),
-                    "w4_s2_c2": dict(num_warps=4, num_stages=2, ctas_per_sm=2)}
+                    "w4_s4_c1": dict(num_warps=4, num_stages=4, ctas_per_sm=1)}
 
 
 @pytest.mark.gpu
