@@ -16,6 +16,12 @@ into the softmax scale and ``v_scale`` into the output), built for bandwidth at 
 Needs page_size to be a multiple of BLOCK_N (a tile never straddles pages): page sizes 64 and
 128 with BLOCK_N 64. Rows past a request's end inside its last page are read but masked: their
 scores are -inf and their V rows are zeroed before the dot (a stale page may hold NaN bytes).
+The descriptors are built in the kernel (a host descriptor argument cost ~150 us a launch in
+Triton 3.6); the page ids come by inline PTX so that the pipeliner keeps its stages for the tiles.
+
+Moves L*576 B of KV (L = tokens read, whole tiles) + B*H*(576 + 512)*2 B of queries and outputs
+(+ B*H*S*513*4 B of split partials, twice); 2*H*L*(576 + 512) FLOPs. H200, 16 heads, 64 x 8K:
+144 us = 2.1 TB/s, 49% of copy bandwidth, 1.18x the BF16-pool kernel (docs/perf-notes.md, run 3).
 """
 from __future__ import annotations
 
