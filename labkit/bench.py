@@ -62,24 +62,6 @@ PROVIDERS = [
 ]
 
 
-def _variant(label: str, **cfg):
-    """A tuning candidate of mla_decode_fp8 as a provider (bench only; not registered): splits
-    sized for two CTAs per SM, so one CTA's loads overlap another's math."""
-    from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
-
-    def fn(q_nope, q_pe, pool, layer, batch, sm_scale):
-        sms = torch.cuda.get_device_properties(q_nope.device).multi_processor_count
-        splits = max(1, 2 * sms // (batch.batch_size * -(-q_nope.shape[1] // 16)))
-        return mla_decode_fp8(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                              sm_scale, k_scale=pool.scale(layer), num_splits=splits, max_len=batch.max_len, **cfg)
-
-    return backends.Backend(label, "fp8_native", "triton_exp", fn, kv_dtypes=("fp8_e4m3",), max_heads=32,
-                            kernel=f"mla_decode_fp8 {cfg}")
-
-
-# candidates for the memory-bound shapes (<= 32 heads): one smem stage, 2 CTAs per SM
-VARIANTS = {"fp8_native.exp_q8_s1": dict(cvt="asm", q_fp8=True, swap=1, block_n=64, num_warps=4, num_stages=1),
-            "fp8_native.exp_f16q_s1": dict(cvt="asm", q_fp8=False, swap=1, block_n=64, num_warps=4, num_stages=1)}
 CPU_PROVIDERS = [(n, n, "fp8") for n in ("full_pool_cast.torch", "gather_cast.torch", "fp8_native.torch",
                                           "fp8_native.triton")] + [("bf16_pool.torch", "bf16_pool.torch", "bf16")]
 SEED_PROVIDERS = {"full_pool_cast.seed", "full_pool_cast.triton", "gather_cast.triton", "fp8_native.triton",
@@ -100,8 +82,6 @@ def _providers(device: str, names=None):
     provs = PROVIDERS if device == "cuda" else CPU_PROVIDERS
     have = set(backends.names())
     provs = [p for p in provs if p[1] in have]
-    if device == "cuda" and "fp8_native.triton" in have:
-        provs += [(label, _variant(label, **cfg), "fp8") for label, cfg in VARIANTS.items()]
     return [p for p in provs if names is None or p[0] in names]
 
 
