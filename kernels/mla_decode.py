@@ -141,6 +141,30 @@ def default_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int,
     return int(max(1, min(want, most, 64)))
 
 
+def resolve_splits(kernel: str, num_splits, batch: int, head_blocks: int, kv_lens, max_len, block_n: int,
+                   device, ctas_per_sm: float) -> int:
+    """``num_splits`` as given, else one wave of ``ctas_per_sm`` CTAs per SM (``default_num_splits``);
+    ``max_len`` (the longest kv_lens) spares a device -> host read."""
+    if num_splits is None:
+        if max_len is None:
+            max_len = int(kv_lens.max()) if batch else 0
+        num_splits = default_num_splits(batch, head_blocks, max_len, block_n, device, ctas_per_sm=ctas_per_sm)
+    if num_splits < 1:
+        raise ValueError(f"{kernel}: num_splits={num_splits} must be >= 1")
+    return num_splits
+
+
+def decode_buffers(batch: int, heads: int, num_splits: int, out_dtype, device):
+    """What stage 1 writes: with one split (or no request) the final out [B, H, 512] and lse [B, H];
+    else fp32 partials [B, H, S, 512] and log2-sum-exp [B, H, S] for ``mla_merge``.
+    Returns (direct, o_buf, lse_buf)."""
+    if num_splits == 1 or batch == 0:
+        return (True, torch.empty(batch, heads, D_CKV, dtype=out_dtype, device=device),
+                torch.empty(batch, heads, dtype=torch.float32, device=device))
+    return (False, torch.empty(batch, heads, num_splits, D_CKV, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device))
+
+
 def check_decode_args(kernel: str, q_nope, q_pe, kv_buffer, kv_indptr, kv_indices, kv_lens,
                       kv_dtypes: tuple, q_dtypes: tuple = (torch.bfloat16, torch.float16)):
     """Validate the decode interface; raise ValueError naming the argument. Returns (B, H, page_size)."""
@@ -244,22 +268,11 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor
     if num_stages is None:
         num_stages = 2 if big else 3
     head_blocks = triton.cdiv(H, block_h)
-    if num_splits is None:
-        if max_len is None:
-            max_len = int(kv_lens.max()) if B else 0
-        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev, ctas_per_sm=2 if big else 4)
-    if num_splits < 1:
-        raise ValueError(f"mla_decode: num_splits={num_splits} must be >= 1")
-    direct = num_splits == 1 or B == 0
-    if direct:
-        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)
-        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-        o_buf, lse_buf = out, lse
-        if B == 0:
-            return (out, lse) if return_lse else out
-    else:
-        o_buf = torch.empty(B, H, num_splits, D_CKV, dtype=torch.float32, device=dev)
-        lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
+    num_splits = resolve_splits("mla_decode", num_splits, B, head_blocks, kv_lens, max_len, block_n, dev,
+                                ctas_per_sm=2 if big else 4)
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    if B == 0:
+        return (o_buf, lse_buf) if return_lse else o_buf
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_nope, q_pe, kv_buffer, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         float(sm_scale) * LOG2E, float(v_scale), H, num_splits,
@@ -268,6 +281,5 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor
         PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct,
         F32_MATH=not on_gpu, num_warps=num_warps, num_stages=num_stages,
     )
-    if not direct:
-        out, lse = mla_merge(o_buf, lse_buf, q_nope.dtype, v_scale)
+    out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, v_scale)
     return (out, lse) if return_lse else out

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_decode import (D_CKV, D_KPE, LOG2E, check_decode_args, default_num_splits, pick_block_h)
+from .mla_decode import (LOG2E, check_decode_args, decode_buffers, pick_block_h,
+                         resolve_splits)
 from .mla_merge import mla_merge, round_to_bf16
 
 CVT_MODES = {"f32": 0, "f16": 1, "asm": 2, "bf16": 3}
@@ -389,12 +390,8 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     cvt_id = CVT_MODES[cfg["cvt"]]
     block_h = pick_block_h(H, block_h)
     head_blocks = triton.cdiv(H, block_h)
-    if num_splits is None:
-        if max_len is None:
-            max_len = int(kv_lens.max()) if B else 0
-        num_splits = default_num_splits(B, head_blocks, max_len, block_n, dev, ctas_per_sm=cfg["ctas_per_sm"])
-    if num_splits < 1:
-        raise ValueError(f"mla_decode_fp8: num_splits={num_splits} must be >= 1")
+    num_splits = resolve_splits("mla_decode_fp8", num_splits, B, head_blocks, kv_lens, max_len, block_n, dev,
+                                cfg["ctas_per_sm"])
 
     qk_scale = float(sm_scale) * float(k_scale) * LOG2E
     out_scale = float(v_scale) / (P_SCALE if cfg["pv_fp8"] else 1.0)
@@ -406,16 +403,9 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
         qn, qp = q_nope, q_pe
         q_mode = 2 if cfg["q_fp8"] else 0
 
-    direct = num_splits == 1 or B == 0
-    if direct:
-        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)
-        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-        o_buf, lse_buf = out, lse
-        if B == 0:
-            return (out, lse) if return_lse else out
-    else:
-        o_buf = torch.empty(B, H, num_splits, D_CKV, dtype=torch.float32, device=dev)
-        lse_buf = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    if B == 0:
+        return (o_buf, lse_buf) if return_lse else o_buf
     _mla_decode_fp8_kernel[(B, head_blocks, num_splits)](
         qn, qp, kv_buffer, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         q_scale if q_scale is not None else lse_buf, qk_scale, out_scale, H, num_splits,
@@ -425,6 +415,5 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
         CVT=cvt_id, Q_FP8=q_mode, PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
         PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if not direct:
-        out, lse = mla_merge(o_buf, lse_buf, q_nope.dtype, out_scale)
+    out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, out_scale)
     return (out, lse) if return_lse else out
