@@ -231,11 +231,6 @@ GPU_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, pv_swap=0, halves=2, ct
 MAX_HEADS = 32  # tuned and measured up to 32 heads; more (BLOCK_H 64) spills registers
 
 
-def supports(page_size: int, H: int, block_n: int = 64) -> bool:
-    """Whether this kernel takes the shape: tiles must not straddle pages."""
-    return HAS_DEVICE_TMA and page_size % block_n == 0 and 1 <= H <= 32
-
-
 def mla_decode_fp8_tma(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                        v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,

@@ -24,7 +24,7 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
-from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma
+from labkit.kernels.mla_decode_fp8_tma import MAX_HEADS as TMA_MAX_HEADS, mla_decode_fp8_tma
 
 from .kvpool import DecodeBatch, KVPool
 
@@ -104,7 +104,7 @@ register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_t
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="fastest on the H200; ~6e-3 relative error against ~1.3e-3 with a 16-bit query"))
 register(Backend("fp8_native.triton_tma", "fp8_native", "triton_tma", fp8_native_triton_tma,
-                 kv_dtypes=("fp8_e4m3",), min_capability=TMA_SM, page_sizes=(64, 128), max_heads=32,
+                 kv_dtypes=("fp8_e4m3",), min_capability=TMA_SM, page_sizes=(64, 128), max_heads=TMA_MAX_HEADS,
                  runs_on_cpu=True, kernel="Triton mla_decode_fp8_tma: TMA ring, FP8 scores, V widened in registers",
                  note="tiles never straddle a page: page sizes 64 and 128; FP8 query as triton_q8"))
 register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",),

@@ -95,8 +95,7 @@ FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
     "fp8.asm_pipe32_swap1_s2": dict(cvt="asm", q_fp8=False, prefetch=False, swap=1, block_n=32, num_warps=4, num_stages=2),
     "fp8.asm_pre64_swap1_w8": dict(cvt="asm", q_fp8=False, prefetch=True, swap=1, block_n=64, num_warps=8, num_stages=1),
     "fp8.asm_pre32_swap2_w4": dict(cvt="asm", q_fp8=False, prefetch=True, swap=2, block_n=32, num_warps=4, num_stages=1),
-    # not measured yet (added after run 1): one shared-memory buffer but small enough for 2 CTAs/SM,
-    # the way the BF16 kernel overlaps one CTA's loads with another's math (docs/perf-notes.md, v5)
+    # one shared-memory buffer, small enough for 2 CTAs/SM (docs/perf-notes.md, v5; measured in run 2)
     "fp8.q8_pipe64_swap1_s1": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=64, num_warps=4,
                                    num_stages=1),
     "fp8.asm_pipe64_swap1_s1": dict(cvt="asm", q_fp8=False, prefetch=False, swap=1, block_n=64, num_warps=4,

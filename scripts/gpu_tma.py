@@ -26,7 +26,7 @@ import triton  # noqa: E402
 
 from labkit import kvpool, reference  # noqa: E402
 
-VARIANTS = {  # name -> (kernel, kwargs); "ref" rows are the baselines of gpu_kernels.py
+VARIANTS = {  # name -> (kernel, kwargs): the BF16-pool and pointer-gather baselines, then TMA variants
     "bf16.pipe32": ("bf16", dict(block_n=32, num_warps=4, num_stages=3)),
     "fp8.default": ("gather", dict()),
     "tma.w4_s4_h2_pv0": ("tma", dict(num_warps=4, num_stages=4, halves=2, pv_swap=0)),
