@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KERNEL_MODULES = ("mla_merge", "mla_decode", "mla_decode_fp8", "mla_decode_fp8_tma", "fp8_to_bf16", "gather_cast")
+KERNEL_MODULES = ("mla_merge", "mla_decode", "mla_decode_fp8", "mla_decode_fp8_tma", "mla_decode_fp8_gluon",
+                  "fp8_to_bf16", "gather_cast")
 
 
 def alias_kernels():
@@ -64,6 +65,7 @@ from labkit.kernels.gather_cast import gather_cast  # noqa: E402
 from labkit.kernels.mla_decode import mla_decode  # noqa: E402
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8  # noqa: E402
 from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma  # noqa: E402
+from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
 
 
 def fp8_call(*args, kernel="gather", **kw):

@@ -38,13 +38,15 @@ VARIANTS = {  # name -> (kernel, kwargs): the BF16-pool and pointer-gather basel
     "tma.default": ("tma", dict()),
 }
 SHAPES = [(8, 64, 8192), (16, 64, 8192), (16, 32, 32768), (8, 128, 16384), (32, 64, 8192), (16, 64, 8192)]
+CHECKS = [(16, 64), (8, 64)]  # (heads, page_size) of the oracle checks
+STEM = "gpu_tma"  # output file names
 
 
 def call(kind, kw, qn, qp, pool8, pool16, batch, **extra):
     args = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
     if kind == "bf16":
         return gk.mla_decode(qn, qp, pool16.layer(0), *args, **kw, **extra)
-    fn = gk.mla_decode_fp8_tma if kind == "tma" else gk.mla_decode_fp8
+    fn = dict(tma=gk.mla_decode_fp8_tma, gluon=gk.mla_decode_fp8_gluon).get(kind, gk.mla_decode_fp8)
     return fn(qn, qp, pool8.layer(0), *args, pool8.scale(0), **kw, **extra)
 
 
@@ -114,13 +116,14 @@ def main():
         precompile()
     gk.ceilings(res["ceilings"])
     for name, (kind, kw) in VARIANTS.items():
-        for H in (16, 8)[: 1 if gk.DEV == "cpu" else 2]:
+        for H, ps in CHECKS[: 1 if gk.DEV == "cpu" else None]:
             try:
-                err, ok = check(name, kind, kw, H)
+                err, ok = check(name, kind, kw, H, ps)
             except Exception as e:  # noqa: BLE001
                 err, ok = f"{type(e).__name__}: {str(e)[:200]}", False
-            res["checks"][f"{name}/h{H}"] = dict(err=err, ok=ok)
-            gk.log(f"check {name:24s} h{H:<3d} {'OK  ' if ok else 'FAIL'} {err}")
+            key = f"{name}/h{H}" + ("" if ps == 64 else f"/ps{ps}")
+            res["checks"][key] = dict(err=err, ok=ok)
+            gk.log(f"check {name:24s} h{H:<3d} ps{ps:<4d} {'OK  ' if ok else 'FAIL'} {err}")
     max_pages = max(B * L // 64 for _, B, L in SHAPES)
     pool8 = kvpool.random_pool(1, int(max_pages * 1.1) * 64, 64, device=gk.DEV, seed=1)
     pool16 = kvpool.random_pool(1, int(max_pages * 1.1) * 64, 64, kv_dtype="bf16", device=gk.DEV, seed=1)
@@ -154,14 +157,14 @@ def main():
                 base = next((x["us"] for x in res["rows"] if x["order"] == i and x["variant"] == "bf16.pipe32"
                              and "us" in x), None)
                 r["x_bf16"] = base / r["us"] if base else None
-        (out / "gpu_tma.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / f"{STEM}.json").write_text(json.dumps(res, indent=1, default=str))
     keys = ["variant", "shape", "H", "B", "L", "order", "us", "graph_us", "pct_copy_us", "pct_copy_graph_us",
             "x_bf16", "checked", "error"]
-    with open(out / "gpu_tma.csv", "w", newline="") as f:
+    with open(out / f"{STEM}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(res["rows"])
-    gk.log(f"wrote {out}/gpu_tma.json and .csv ({time.strftime('%H:%M:%S')})")
+    gk.log(f"wrote {out}/{STEM}.json and .csv ({time.strftime('%H:%M:%S')})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,336 @@
+"""Paged absorbed-MLA decode over FP8 (e4m3) pages, both products in FP8 on Hopper tensor cores (Gluon).
+
+The function of ``mla_decode_fp8`` (split-KV, ``mla_merge`` as stage 2, ``k_scale`` folded into the
+softmax scale, ``v_scale`` into the output), written in Gluon (Triton's explicit-layout dialect)
+so that V never goes through shared memory a second time:
+
+* One CTA = one warpgroup (4 warps) per (request, head block, split). Each 64-token run of a page
+  is a dense [64, 576] box of the pool: TMA copies it into a ring of NUM_STAGES shared-memory
+  buffers, mbarriers say when a buffer is full, NUM_STAGES - 1 tiles stay in flight.
+* Scores: s^T [64 tokens, BLOCK_H] = K @ q^T, one FP8 wgmma with the tile as the A operand straight
+  from shared memory (K-major) and the query quantized to e4m3 in the prologue (one scale per CTA).
+* Values: out^T [512, BLOCK_H] += V^T @ p^T, FP8 wgmma with V^T as the A operand *in registers*.
+  An FP8 MMA reads its operands K-major (consecutive tokens), the pool stores consecutive columns.
+  The 512 columns are relabelled (the MMA's row m holds column ``_col_of_row(m)``) so that every
+  thread's 16 rows are 16 adjacent bytes of a token row, and the 64 tokens so that the 4 tokens a
+  thread packs into one register come from 4 rows of distinct swizzle phase: V is read once,
+  16 bytes a thread, conflict-free, and transposed by byte permutes in registers. p is scaled by
+  P_SCALE (exact, a power of two) and stored as e4m3 into a [BLOCK_H, 64] buffer (the B operand).
+  The relabelling is undone when the output is written.
+
+Shared memory: NUM_STAGES x 36 KB of tiles + BLOCK_H x 576 B of query + BLOCK_H x 64 B of p.
+Moves L*576 B of KV (L = tokens read, whole 64-token tiles) + B*H*(576 + 512)*2 B of queries and
+outputs (+ B*H*S*513*4 B of split partials, twice); 2*H*L*(576 + 512) FLOPs (x BLOCK_H/H padded).
+Error: FP8 query (one scale per CTA) and FP8 probabilities: ~1e-2 relative to the exact result.
+Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); page sizes 64 and 128; 1..32 heads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .mla_decode import D_CKV, D_KPE, LOG2E, check_decode_args, decode_buffers, resolve_splits
+from .mla_merge import mla_merge
+
+try:  # Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    HAS_GLUON = hasattr(tma, "make_tensor_descriptor")
+except ImportError:  # pragma: no cover - old Triton
+    HAS_GLUON = False
+
+BLOCK_N = 64  # tokens per tile: one wgmma M block of scores, the K of p @ V
+P_SCALE = 256.0  # p in [0, 1] is stored as e4m3 of p * 256 (keeps small p out of e4m3's subnormals)
+MAX_HEADS = 32
+
+
+def _col_of_row(m):
+    """The V column (0..511) that the MMA's row m of out^T holds (works on ints and tensors):
+    m bit 3 -> column bit 0, bits 6-8 -> bits 1-3 (a thread's 16 rows: 16 adjacent bytes),
+    bit 1 -> 4, bit 2 -> 5, bit 0 -> 6 (the 8 lanes of a 16-byte load phase hit 8 swizzle slots),
+    bits 4-5 (the warp) -> 7-8 (warp w reads the 128-column TMA box w)."""
+    return (((m >> 3) & 1) | (((m >> 6) & 7) << 1) | (((m >> 1) & 1) << 4) | (((m >> 2) & 1) << 5)
+            | ((m & 1) << 6) | (((m >> 4) & 3) << 7))
+
+
+def _token_of_k(k):
+    """The token (0..63) of a tile that the MMA's k index of p @ V holds: the 4 tokens a thread
+    packs into one 32-bit register (k bits 0-1) are token bits 2-3; the lane's k bits 2-3 are
+    token bits 0-1 (so 4 adjacent lanes read 4 adjacent rows: distinct swizzle phases)."""
+    return (((k >> 2) & 3) | ((k & 3) << 2) | (k & 48))
+
+
+if HAS_GLUON:
+    _P_SCALE = gl.constexpr(P_SCALE)
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed in Triton 3.7
+
+    @triton.constexpr_function
+    def _v_layout(num_warps):
+        """Register layout of a [64 tokens, 512 columns] V tile such that, relabelled by
+        _col_of_row / _token_of_k into [512, 64], it is exactly the wgmma A-operand layout
+        (e4m3, k_width 4, 4 warps): 16 adjacent columns per thread first (one 16-byte load)."""
+        assert num_warps == 4
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0], [8, 0], [16, 0], [32, 0]],
+            lane_bases=[[1, 0], [2, 0], [0, 64], [0, 16], [0, 32]],
+            warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512])
+
+    @gluon.jit
+    def _relabel_v(v, a_layout: gl.constexpr):
+        """[64 tokens, 512 columns] -> V^T relabelled [512 rows m, 64 k] in the A-operand layout:
+        A[m, k] = V[_token_of_k(k), _col_of_row(m)]. Reshapes and permutes only rename registers."""
+        vt = gl.permute(v, (1, 0))  # [512 col, 64 tok]
+        # column c = (c8 c7 | c6 | c5 | c4 | c3 c2 c1 | c0), token t = (t5 t4 | t3 t2 | t1 t0)
+        vt = gl.reshape(vt, [4, 2, 2, 2, 8, 2, 4, 4, 4])
+        # row m = (m8 m7 m6 = c3 c2 c1 | m5 m4 = c8 c7 | m3 = c0 | m2 = c5 | m1 = c4 | m0 = c6),
+        # k = (k5 k4 = t5 t4 | k3 k2 = t1 t0 | k1 k0 = t3 t2)
+        vt = gl.permute(vt, (4, 0, 5, 2, 3, 1, 6, 8, 7))
+        vt = gl.reshape(vt, [512, 64])
+        return gl.convert_layout(vt, a_layout)
+
+    @gluon.jit
+    def _relabel_p(p):
+        """p [64 tokens, BLOCK_H] -> p^T [BLOCK_H, 64 k] with k ordered as _token_of_k."""
+        BH: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [4, 4, 4, BH])  # t = (t5 t4 | t3 t2 | t1 t0)
+        p = gl.permute(p, (3, 0, 2, 1))  # [BH, t5t4, t1t0, t3t2]
+        return gl.reshape(p, [BH, 64])
+
+    @gluon.jit
+    def _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, tile, start, n_tiles,
+               NUM_STAGES: gl.constexpr, PAGE: gl.constexpr):
+        """TMA of tile ``tile`` of this split (if it exists) into its ring slot."""
+        if tile < n_tiles:
+            n0 = start + tile * 64
+            page = gl.load(kv_indices_ptr + page_base + n0 // PAGE)
+            row = page * PAGE + n0 % PAGE
+            slot = tile % NUM_STAGES
+            bar = bars.index(slot)
+            mbarrier.expect(bar, 64 * 576)
+            tma.async_copy_global_to_shared(ckv_desc, [row, 0], bar, ckv_ring.index(slot))
+            tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, kpe_ring.index(slot))
+
+    @gluon.jit
+    def _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars, kv_indices_ptr, page_base,
+              tile, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+              MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr):
+        """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_H, 32])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
+        v_layout: gl.constexpr = _v_layout(4)
+        slot = tile % NUM_STAGES
+        mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
+        ckv = ckv_ring.index(slot)
+        kpe = kpe_ring.index(slot)
+        s = warpgroup_mma(ckv, qn_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(kpe, qp_smem.permute((1, 0)), s, is_async=True)
+        v = ckv.load(v_layout)  # [64, 512] e4m3, while the score MMA runs
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        _cta_barrier()  # every warp is done with the slot: refill it
+        _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, tile + NUM_STAGES, start,
+               n_tiles, NUM_STAGES, PAGE)
+
+        s = s * qk_scale
+        if MASKED:  # rows past the request's end: -inf scores, V zeroed (stale bytes may be NaN)
+            n0 = start + tile * 64
+            tok_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+            s = gl.where((tok_s < end)[:, None], s, -float("inf"))
+            tok_v = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, v_layout))
+            vi = v.to(gl.int8, bitcast=True)
+            v = gl.where((tok_v < end)[:, None], vi, gl.zeros_like(vi)).to(gl.float8e4nv, bitcast=True)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
+        p_smem.store(_relabel_p((p * _P_SCALE).to(gl.float8e4nv)))
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * alpha[None, :]
+        acc = warpgroup_mma(_relabel_v(v, a_layout), p_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return m_new, l_i, acc
+
+    @gluon.jit(do_not_specialize=["H", "num_splits"])
+    def _mla_decode_fp8_gluon_kernel(
+        q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
+        q_pe_ptr,  # *[B, H, 64]
+        kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576], dense: num_rows token rows of 576 bytes
+        num_rows,  # num_pages * PAGE
+        kv_indptr_ptr,  # *i32 [B + 1]
+        kv_indices_ptr,  # *i32 [nnz] page ids
+        kv_lens_ptr,  # *i32 [B]
+        o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
+        lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
+        qk_scale,  # sm_scale * k_scale * log2(e)
+        out_scale,  # v_scale; DIRECT only
+        H,
+        num_splits,  # S
+        stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+        stride_o_b, stride_o_h,
+        PAGE: gl.constexpr,  # page_size, a multiple of 64
+        BLOCK_H: gl.constexpr,  # heads per CTA: 16 or 32 (the MMAs' N)
+        DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
+        NUM_STAGES: gl.constexpr,  # tiles in the shared-memory ring
+    ):
+        b = gl.program_id(0)
+        hblk = gl.program_id(1)
+        split = gl.program_id(2)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_H, 32])
+        ckv_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        kpe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+
+        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
+        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
+        ckv_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 512], ckv_sl)
+        kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
+        qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 512], ckv_sl)
+        qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 64], kpe_sl)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 64], kpe_sl)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        seq_len = gl.load(kv_lens_ptr + b)
+        page_base = gl.load(kv_indptr_ptr + b)
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
+        start = split * split_len
+        end = gl.minimum(start + split_len, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+        n_full = gl.maximum(end - start, 0) // 64
+        for i in gl.static_range(NUM_STAGES):
+            _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, i, start, n_tiles,
+                   NUM_STAGES, PAGE)
+
+        # the query in e4m3, one scale for the CTA (amax / 448), into shared memory (the B operands)
+        heads = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        hmask = (heads < H)[:, None]
+        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, q_layout))
+        dp = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+        q_n = gl.load(q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h + dn[None, :], mask=hmask,
+                      other=0.0).to(gl.float32)
+        q_p = gl.load(q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h + dp[None, :], mask=hmask,
+                      other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.max(gl.max(gl.abs(q_n), axis=1), axis=0), gl.max(gl.max(gl.abs(q_p), axis=1), axis=0))
+        q_sc = gl.maximum(amax, 1e-12) / 448.0
+        qn_smem.store((q_n / q_sc).to(gl.float8e4nv))
+        qp_smem.store((q_p / q_sc).to(gl.float8e4nv))
+        fence_async_shared()
+        _cta_barrier()
+        qk_scale = qk_scale * q_sc
+
+        m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+        l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
+        acc = gl.zeros([512, BLOCK_H], gl.float32, layout=s_layout)  # out^T, rows relabelled
+        for tile in range(0, n_full):
+            m_i, l_i, acc = _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars,
+                                  kv_indices_ptr, page_base, tile, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+                                  False, NUM_STAGES, PAGE, BLOCK_H)
+        if n_full < n_tiles:  # the split's partial last tile, masked
+            m_i, l_i, acc = _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars,
+                                  kv_indices_ptr, page_base, n_full, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+                                  True, NUM_STAGES, PAGE, BLOCK_H)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        l_i = gl.sum(l_i, axis=0)
+        l_safe = gl.maximum(l_i, 1e-30)
+        inv = gl.where(l_i > 0, 1.0 / (l_safe * _P_SCALE), 0.0)
+        m = gl.arange(0, 512, layout=gl.SliceLayout(1, s_layout))
+        col = (((m >> 3) & 1) | (((m >> 6) & 7) << 1) | (((m >> 1) & 1) << 4) | (((m >> 2) & 1) << 5)
+               | ((m & 1) << 6) | (((m >> 4) & 3) << 7))  # _col_of_row(m)
+        h_o = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+        hmask_o = (h_o < H)[None, :]
+        if DIRECT:
+            out = acc * (inv * out_scale)[None, :]
+            ptrs = o_ptr + b * stride_o_b + h_o[None, :] * stride_o_h + col[:, None]
+            gl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=hmask_o)
+            lse = gl.where(l_i > 0, (m_i + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+            gl.store(lse_ptr + b * H + h_o, lse, mask=h_o < H)
+        else:
+            row_o = (b * H + h_o) * num_splits + split
+            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], acc * inv[None, :], mask=hmask_o)
+            lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), -float("inf"))
+            gl.store(lse_ptr + row_o, lse2, mask=h_o < H)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for descriptors built on the device (Triton asks its allocator for it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Tuning (scripts/gpu_tma.py): ring depth, and the CTAs per SM that the default split count aims at.
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2)
+
+
+def check_gluon_args(H: int, page_size: int, device: torch.device):
+    """Why this kernel cannot run here (ValueError naming the rule), before any launch."""
+    if not HAS_GLUON:
+        raise ValueError(f"mla_decode_fp8_gluon: Triton {triton.__version__} has no Gluon TMA "
+                         f"(triton.experimental.gluon, Triton >= 3.5)")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        raise ValueError(f"mla_decode_fp8_gluon: needs a Hopper GPU (sm_90: wgmma and TMA), got {device}; "
+                         f"there is no CPU interpreter for Gluon")
+    if page_size % BLOCK_N:
+        raise ValueError(f"mla_decode_fp8_gluon: page_size={page_size}; allowed [64, 128]")
+    if H > MAX_HEADS:
+        raise ValueError(f"mla_decode_fp8_gluon: {H} heads; allowed 1..{MAX_HEADS} (use mla_decode_fp8)")
+
+
+def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                         kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
+                         v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
+                         num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None):
+    """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
+
+    Parameters
+    ----------
+    q_nope : [B, H, 512] bf16 or fp16 (H in 1..32), last dim contiguous.
+    q_pe : [B, H, 64], same dtype.
+    kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, dense pages (stride(0) = page_size * 576),
+        real = stored * k_scale; page_size 64 or 128.
+    kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 page ids; kv_lens : [B] int32.
+    sm_scale : softmax scale. k_scale : per-tensor scale of the pool, folded into the scores.
+    v_scale : scale of V, folded into the output; defaults to k_scale.
+    num_splits : splits per request (None: one wave of ``ctas_per_sm`` CTAs per SM).
+    return_lse : also return lse.
+    num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth (num_stages x 36 KB of
+        shared memory), the CTAs per SM the default split count aims at, the longest kv_lens.
+
+    Returns
+    -------
+    out : [B, H, 512] q dtype; with ``return_lse`` also lse : [B, H] float32 (natural log).
+    """
+    B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices,
+                                        kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
+    dev = q_nope.device
+    check_gluon_args(H, page_size, dev)
+    if kv_buffer.stride(0) != page_size * (D_CKV + D_KPE):
+        raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
+                         f"got strides {tuple(kv_buffer.stride())}")
+    cfg = dict(GPU_CONFIG)
+    cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
+    if cfg["num_stages"] not in (1, 2, 3, 4, 5):
+        raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
+    if v_scale is None:
+        v_scale = k_scale
+    block_h = 16 if H <= 16 else 32
+    num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, 1, kv_lens, max_len, BLOCK_N, dev,
+                                cfg["ctas_per_sm"])
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    if B == 0:
+        return (o_buf, lse_buf) if return_lse else o_buf
+    triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
+    _mla_decode_fp8_gluon_kernel[(B, 1, num_splits)](
+        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
+        float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
+        PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], num_warps=4,
+    )
+    out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
+    return (out, lse) if return_lse else out
