@@ -26,6 +26,8 @@ Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); page sizes 64 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -62,20 +64,23 @@ def _token_of_k(k):
     return (((k >> 2) & 3) | ((k & 3) << 2) | (k & 48))
 
 
+# The V tile's register layout, as linear-layout bases of (token, column) for the 8 register, 5 lane
+# and 2 warp bits: the wgmma A-operand layout (e4m3, k_width 4, 4 warps) of [512, 64] seen through
+# _col_of_row / _token_of_k, with the 4 column bits first so that a thread's first 16 values are one
+# 16-byte load (tests/test_gluon.py derives it from the PTX fragment layout).
+V_LAYOUT_BASES = dict(reg=[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0], [8, 0], [16, 0], [32, 0]],
+                      lane=[[1, 0], [2, 0], [0, 64], [0, 16], [0, 32]], warp=[[0, 128], [0, 256]])
+
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed in Triton 3.7
 
     @triton.constexpr_function
     def _v_layout(num_warps):
-        """Register layout of a [64 tokens, 512 columns] V tile such that, relabelled by
-        _col_of_row / _token_of_k into [512, 64], it is exactly the wgmma A-operand layout
-        (e4m3, k_width 4, 4 warps): 16 adjacent columns per thread first (one 16-byte load)."""
+        """Register layout of a [64 tokens, 512 columns] V tile (``V_LAYOUT_BASES``)."""
         assert num_warps == 4
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[1, 0], [2, 0], [0, 64], [0, 16], [0, 32]],
-            warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512])
+        return gl.DistributedLinearLayout(reg_bases=V_LAYOUT_BASES["reg"], lane_bases=V_LAYOUT_BASES["lane"],
+                                          warp_bases=V_LAYOUT_BASES["warp"], block_bases=[], shape=[64, 512])
 
     @gluon.jit
     def _relabel_v(v, a_layout: gl.constexpr):
@@ -264,22 +269,30 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-# Tuning (scripts/gpu_tma.py): ring depth, and the CTAs per SM that the default split count aims at.
-GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2)
+# Measured on the H200 (scripts/gpu_gluon.py -> data/kernels/h200_run4a_gluon.*, CUDA-graph medians):
+# a 3-tile ring and one wave of one CTA per SM was best or within 1% at every shape with <= 16 heads
+# (93.8 us at 16 heads 64 x 8K; two CTAs per SM: 104.5 us); 32 heads (spilling): a 4-tile ring.
+GPU_CONFIG = {16: dict(num_stages=3, ctas_per_sm=1), 32: dict(num_stages=4, ctas_per_sm=1)}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
 
 
 def check_gluon_args(H: int, page_size: int, device: torch.device):
     """Why this kernel cannot run here (ValueError naming the rule), before any launch."""
+    if page_size % BLOCK_N:
+        raise ValueError(f"mla_decode_fp8_gluon: page_size={page_size}; allowed [64, 128] (a tile is 64 "
+                         f"tokens of one page)")
+    if H > MAX_HEADS:
+        raise ValueError(f"mla_decode_fp8_gluon: {H} heads; allowed 1..{MAX_HEADS} (use mla_decode_fp8)")
     if not HAS_GLUON:
         raise ValueError(f"mla_decode_fp8_gluon: Triton {triton.__version__} has no Gluon TMA "
                          f"(triton.experimental.gluon, Triton >= 3.5)")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if device.type != "cuda" or _capability(device.index) != (9, 0):
         raise ValueError(f"mla_decode_fp8_gluon: needs a Hopper GPU (sm_90: wgmma and TMA), got {device}; "
-                         f"there is no CPU interpreter for Gluon")
-    if page_size % BLOCK_N:
-        raise ValueError(f"mla_decode_fp8_gluon: page_size={page_size}; allowed [64, 128]")
-    if H > MAX_HEADS:
-        raise ValueError(f"mla_decode_fp8_gluon: {H} heads; allowed 1..{MAX_HEADS} (use mla_decode_fp8)")
+                         f"Gluon has no CPU interpreter")
 
 
 def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
@@ -299,8 +312,9 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     v_scale : scale of V, folded into the output; defaults to k_scale.
     num_splits : splits per request (None: one wave of ``ctas_per_sm`` CTAs per SM).
     return_lse : also return lse.
-    num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth (num_stages x 36 KB of
-        shared memory), the CTAs per SM the default split count aims at, the longest kv_lens.
+    num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``, per head block): ring depth
+        (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
+        (one wave), the longest kv_lens (spares a device -> host read).
 
     Returns
     -------
@@ -313,13 +327,13 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * (D_CKV + D_KPE):
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    cfg = dict(GPU_CONFIG)
+    block_h = 16 if H <= 16 else 32
+    cfg = dict(GPU_CONFIG[block_h])
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     if v_scale is None:
         v_scale = k_scale
-    block_h = 16 if H <= 16 else 32
     num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, 1, kv_lens, max_len, BLOCK_N, dev,
                                 cfg["ctas_per_sm"])
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)

@@ -30,6 +30,7 @@ class Backend:
     fn: Callable = field(repr=False)
     kv_dtypes: tuple = ("fp8_e4m3", "bf16")
     min_capability: tuple | None = None  # CUDA (major, minor); None: no CUDA needed
+    max_capability: tuple | None = None  # e.g. (9, 0): wgmma exists on Hopper only
     runs_on_cpu: bool = True
     page_sizes: tuple = ALL_PAGE_SIZES
     max_heads: int = 128
@@ -53,6 +54,9 @@ class Backend:
                     f"backend {self.name!r} needs compute capability >= {self.min_capability}, "
                     f"{torch.cuda.get_device_name(dev)} has {cc}"
                 )
+            if self.max_capability and cc > self.max_capability:
+                raise ValueError(f"backend {self.name!r} runs on compute capability <= {self.max_capability} "
+                                 f"(Hopper wgmma), {torch.cuda.get_device_name(dev)} has {cc}")
         if pool.page_size not in self.page_sizes:
             raise ValueError(f"backend {self.name!r}: page_size={pool.page_size}; allowed {list(self.page_sizes)}")
         if q_nope.shape[1] > self.max_heads:

@@ -55,6 +55,7 @@ PROVIDERS = [
     ("fp8_native.triton", "fp8_native.triton", "fp8"),
     ("fp8_native.triton_q8", "fp8_native.triton_q8", "fp8"),
     ("fp8_native.triton_tma", "fp8_native.triton_tma", "fp8"),
+    ("fp8_native.gluon", "fp8_native.gluon", "fp8"),
     ("bf16_pool.triton", "bf16_pool.triton", "bf16"),
     ("flashinfer_mla+cast", "flashinfer_mla", "fp8"),
     ("flashinfer_mla[bf16]", "flashinfer_mla", "bf16"),
@@ -65,7 +66,7 @@ PROVIDERS = [
 CPU_PROVIDERS = [(n, n, "fp8") for n in ("full_pool_cast.torch", "gather_cast.torch", "fp8_native.torch",
                                           "fp8_native.triton")] + [("bf16_pool.torch", "bf16_pool.torch", "bf16")]
 SEED_PROVIDERS = {"full_pool_cast.seed", "full_pool_cast.triton", "gather_cast.triton", "fp8_native.triton",
-                  "fp8_native.triton_q8", "fp8_native.triton_tma",
+                  "fp8_native.triton_q8", "fp8_native.triton_tma", "fp8_native.gluon",
                   "flashinfer_mla+cast", "flashinfer_mla_fp8", "full_pool_cast.torch", "gather_cast.torch",
                   "fp8_native.torch"}
 SM_SCALE = 1 / 16  # GLM-5: 1/sqrt(192 + 64)

@@ -150,10 +150,10 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     return row
 
 
-# (backend, on the BF16 copy of the pool): our FP8 kernels (the TMA-fed one where its page sizes and
-# head counts allow) and FlashInfer's MLA kernels
-PEERS = (("fp8_native.triton_q8", False), ("fp8_native.triton_tma", False), ("flashinfer_mla", False),
-         ("flashinfer_mla", True), ("flashinfer_mla_fp8", False))
+# (backend, on the BF16 copy of the pool): our FP8 kernels (the TMA-fed and Gluon ones where the device,
+# page size and head count allow) and FlashInfer's MLA kernels
+PEERS = (("fp8_native.triton_q8", False), ("fp8_native.triton_tma", False), ("fp8_native.gluon", False),
+         ("flashinfer_mla", False), ("flashinfer_mla", True), ("flashinfer_mla_fp8", False))
 
 
 def peers(lab: Lab, ceilings=None) -> pd.DataFrame:

@@ -9,6 +9,9 @@
                            ~6e-3 relative error
     fp8_native.triton_tma  ``mla_decode_fp8_tma``: the same numbers as triton_q8, tiles fed by TMA into
                            a shared-memory ring; page sizes 64/128, up to 32 heads, sm_90+
+    fp8_native.gluon       ``mla_decode_fp8_gluon``: TMA ring, both products as FP8 wgmma (V^T a register
+                           operand, p in e4m3): no 16-bit copy of V anywhere; ~1e-2 relative error;
+                           Hopper (sm_90) only, no CPU interpreter; page sizes 64/128, up to 32 heads
     bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)
 
 Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
@@ -24,6 +27,7 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
+from labkit.kernels.mla_decode_fp8_gluon import MAX_HEADS as GLUON_MAX_HEADS, mla_decode_fp8_gluon
 from labkit.kernels.mla_decode_fp8_tma import MAX_HEADS as TMA_MAX_HEADS, mla_decode_fp8_tma
 
 from .kvpool import DecodeBatch, KVPool
@@ -79,6 +83,12 @@ def fp8_native_triton_tma(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeB
                               sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
 
 
+def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+    """FP8 pages by TMA, FP8 query and FP8 probabilities: both products on FP8 tensor cores."""
+    return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                                sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
+
+
 def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
     """The 16-bit kernel on a pool already in BF16; FP8 pages are refused by mla_decode itself."""
     return _decode16(q_nope, q_pe, pool.layer(layer), batch, sm_scale, pool.scale(layer))
@@ -107,6 +117,10 @@ register(Backend("fp8_native.triton_tma", "fp8_native", "triton_tma", fp8_native
                  kv_dtypes=("fp8_e4m3",), min_capability=TMA_SM, page_sizes=(64, 128), max_heads=TMA_MAX_HEADS,
                  runs_on_cpu=True, kernel="Triton mla_decode_fp8_tma: TMA ring, FP8 scores, V widened in registers",
                  note="tiles never straddle a page: page sizes 64 and 128; FP8 query as triton_q8"))
+register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon, kv_dtypes=("fp8_e4m3",),
+                 min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128), max_heads=GLUON_MAX_HEADS,
+                 runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
+                 note="V^T is a register operand (no 16-bit copy of V); p in e4m3: ~1e-2 relative error"))
 register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",),
                  min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The lab's GPU study on an offline NVIDIA GPU machine (seen on an H200), in one go: the benchmark
 # grid with the peers, every notebook at the seed's scale (profile gpu-seed), the GPU-marked tests,
-# the kernel variant grid and the TMA kernel's side-by-side table, into one run folder packed as one
+# the kernel variant grid and the TMA and Gluon kernels' side-by-side tables, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels tma"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels tma gluon"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh (-> .whl/) and, for the FlashInfer peers,
@@ -14,7 +14,7 @@
 # Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/lab-out}}
-stages=${STAGES:-bench notebooks tests kernels tma}
+stages=${STAGES:-bench notebooks tests kernels tma gluon}
 cd "$(dirname "$0")/.."
 site=/tmp/site
 mkdir -p "$site" "$out"
@@ -38,9 +38,10 @@ for s in $stages; do
     notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     tests) stage tests "${T_tests:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
-             tests/test_study.py ;;
+             tests/test_study.py tests/test_gluon.py ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
     tma) stage tma "${T_tma:-150}" python3 scripts/gpu_tma.py --out "$run_dir/tma" ;;
+    gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
   esac
 done
 tar czf "$out/run.tgz" -C "$(dirname "$run_dir")" "$(basename "$run_dir")"

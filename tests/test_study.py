@@ -131,10 +131,12 @@ def test_peers_rows_are_checked_or_say_why():
     lab = study.Lab.build(p, warmup_ms=1, rep_ms=1)
     df = study.peers(lab)
     assert list(df.label) == ["fp8_native.triton_q8 [FP8 pool]", "fp8_native.triton_tma [FP8 pool]",
-                              "flashinfer_mla [FP8 pool]", "flashinfer_mla [BF16 pool]", "flashinfer_mla_fp8 [FP8 pool]"]
+                              "fp8_native.gluon [FP8 pool]", "flashinfer_mla [FP8 pool]",
+                              "flashinfer_mla [BF16 pool]", "flashinfer_mla_fp8 [FP8 pool]"]
     assert "page_size=16; allowed [64, 128]" in df.iloc[1].note  # the TMA kernel's rule, before any launch
+    assert "needs a CUDA device" in df.iloc[2].note  # Gluon has no CPU interpreter
     ours = df.iloc[0]
     # FP8 query, one scale per request and head block: e4m3 rounding of q dominates (~6e-3)
     assert ours.note == "" and 0 < ours.rel_err < 2e-2 and ours.device_ms > 0
     if importlib.util.find_spec("flashinfer") is None:
-        assert df.iloc[2:].note.str.contains("flashinfer").all()
+        assert df.iloc[3:].note.str.contains("flashinfer").all()

@@ -1,0 +1,170 @@
+"""The Gluon FP8 decode (kernels/mla_decode_fp8_gluon.py).
+
+Gluon has no CPU interpreter, so on a CPU the tests check what can be checked without a GPU: the
+register relabelling of V against the wgmma fragment layout written from the PTX manual, the
+refusals, and the kernel compiled for sm_90 with Triton's own ptxas (its SASS reads V with 16-byte
+loads and never byte by byte). On a GPU: the kernel against the fp64 oracle, with NaN bytes past
+each request's end, every page size, head class and split mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import backends, kvpool, reference  # first: sets TRITON_INTERPRET on a CPU before triton loads
+from labkit.kernels import mla_decode_fp8_gluon as G
+
+import triton  # noqa: E402
+
+SM = 1 / 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _wgmma_a_fragment(warp, lane):
+    """(m, k) of the A values one thread holds in registers for wgmma m64 k32 with 8-bit types (PTX
+    ISA, "wgmma .m64nNk32 register fragment A"): 4 registers of 4 bytes; register r, byte j:
+    row = 16 * warp + lane / 4 + 8 * (r % 2), col = 4 * (lane % 4) + j + 16 * (r / 2).
+    Tiled over [512, 64]: 8 tiles along M, 2 along K."""
+    out = set()
+    for mt in range(8):
+        for kt in range(2):
+            for r in range(4):
+                for j in range(4):
+                    out.add((64 * mt + 16 * warp + lane // 4 + 8 * (r % 2), 32 * kt + 4 * (lane % 4) + j + 16 * (r // 2)))
+    return out
+
+
+def _v_layout_elements(warp, lane):
+    """(token, column) per register of the V tile's linear layout, in register order."""
+    b = G.V_LAYOUT_BASES
+    base = [0, 0]
+    for i, v in enumerate(b["lane"]):
+        if lane >> i & 1:
+            base = [base[0] ^ v[0], base[1] ^ v[1]]
+    for i, v in enumerate(b["warp"]):
+        if warp >> i & 1:
+            base = [base[0] ^ v[0], base[1] ^ v[1]]
+    regs = []
+    for r in range(1 << len(b["reg"])):
+        t, c = base
+        for i, v in enumerate(b["reg"]):
+            if r >> i & 1:
+                t, c = t ^ v[0], c ^ v[1]
+        regs.append((t, c))
+    return regs
+
+
+def test_relabelling_is_a_bijection():
+    assert sorted(G._col_of_row(m) for m in range(512)) == list(range(512))
+    assert sorted(G._token_of_k(k) for k in range(64)) == list(range(64))
+
+
+def test_v_layout_is_the_wgmma_fragment_relabelled():
+    """Each thread loads exactly the V values that the MMA wants from it, 16 adjacent bytes at a time,
+    and the 8 lanes of each 16-byte shared-memory phase hit 8 distinct swizzle slots."""
+    for warp in range(4):
+        for lane in range(32):
+            want = {(G._token_of_k(k), G._col_of_row(m)) for m, k in _wgmma_a_fragment(warp, lane)}
+            regs = _v_layout_elements(warp, lane)
+            assert set(regs) == want and len(regs) == 256
+            for v in range(0, 256, 16):  # one 16-byte vector: one token, 16 adjacent columns, aligned
+                tok, col = regs[v]
+                assert regs[v:v + 16] == [(tok, col + i) for i in range(16)] and col % 16 == 0
+            assert {c // 128 for _, c in regs} == {warp}  # warp w reads the 128-column TMA box w
+    for warp in range(4):
+        for v in range(0, 256, 16):
+            for phase in range(4):  # lanes 8p .. 8p+7 share a shared-memory wavefront
+                slots = set()
+                for lane in range(8 * phase, 8 * phase + 8):
+                    tok, col = _v_layout_elements(warp, lane)[v]
+                    slots.add(((col % 128) // 16) ^ (tok % 8))  # 128-byte swizzle: chunk XOR row
+                assert len(slots) == 8
+
+
+def test_refusals_name_the_rule():
+    pool = kvpool.random_pool(1, 1024, 16, seed=1)
+    batch = kvpool.batch_for_pool(pool, [20], seed=2)
+    qn, qp = kvpool.make_queries(1, 16, seed=3)
+    idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens)
+    with pytest.raises(ValueError, match=r"page_size=16; allowed \[64, 128\]"):
+        G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), *idx, SM)
+    pool = kvpool.random_pool(1, 1024, 64, seed=1)
+    batch = kvpool.batch_for_pool(pool, [20], seed=2)
+    idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens)
+    qn64, qp64 = kvpool.make_queries(1, 64, seed=3)
+    with pytest.raises(ValueError, match=r"64 heads; allowed 1..32"):
+        G.mla_decode_fp8_gluon(qn64, qp64, pool.layer(0), *idx, SM)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a Hopper GPU"):
+            G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), *idx, SM)
+        with pytest.raises(ValueError, match="'fp8_native.gluon' needs a CUDA device"):
+            backends.get("fp8_native.gluon").decode(qn, qp, pool, 0, batch, SM)
+    b = backends.get("fp8_native.gluon")
+    assert (b.page_sizes, b.max_heads, b.min_capability, b.max_capability, b.runs_on_cpu) == \
+        ((64, 128), 32, (9, 0), (9, 0), False)
+
+
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    # a separate process: a real compile and the CPU interpreter do not share one process
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--sass", str(tmp_path / "k.sass")],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+    # two tile bodies (the loop and the masked last tile), each: 16 x LDS.128 = the 256 B of V a thread
+    # holds, 18 score MMAs (512 + 64 columns, k = 32) and 16 p @ V MMAs (8 row blocks x 2 k steps)
+    assert st["ops"].get("LDS.128") == 32
+    assert not any(o.startswith("LDS.U8") for o in st["ops"])
+    assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 2 * (18 + 16)
+    assert not any(o.startswith(("HMMA", "HGMMA")) for o in st["ops"])  # no 16-bit MMA: V is never widened
+    assert st["shared"] >= 3 * 64 * 576  # the 3-tile ring
+
+
+# ------------------------------------------------------------------ GPU -------------------------
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                            reason="needs a Hopper (sm_90) GPU")
+TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1)])
+@pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5)])
+def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
+    """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
+    lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000]
+    ptok = page_size * (sum(-(-n // page_size) for n in lens) + 3)
+    pool = kvpool.random_pool(1, ptok, page_size, seed=heads, device="cuda")
+    batch = kvpool.batch_for_pool(pool, lens, seed=heads + 1)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    raw = pool.layer(0).view(torch.uint8)
+    for b, n in enumerate(lens):
+        raw[int(batch.kv_indices[int(batch.kv_indptr[b + 1]) - 1]), (n - 1) % page_size + 1:] = 0x7F
+    for splits in (None, 1, 7):
+        out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                                          SM, pool.scale(0), num_splits=splits, return_lse=True, **config)
+        assert out.dtype == qn.dtype and out.shape == qn.shape and torch.isfinite(out).all()
+        assert reference.rel_err(out, ref) < TOL_GPU_P8
+        assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_gluon_backend_matches_the_tma_backend():
+    pool = kvpool.random_pool(1, 64 * 200, 64, seed=4, device="cuda")
+    batch = kvpool.batch_for_pool(pool, [3000, 17, 4096], seed=5)
+    qn, qp = kvpool.make_queries(3, 16, seed=6, device="cuda")
+    a = backends.get("fp8_native.gluon").decode(qn, qp, pool, 0, batch, SM)
+    b = backends.get("fp8_native.triton_tma").decode(qn, qp, pool, 0, batch, SM)
+    assert reference.rel_err(a, b) < 3e-2  # both quantize q; the Gluon kernel also quantizes p
