@@ -16,7 +16,11 @@ so that V never goes through shared memory a second time:
   thread packs into one register come from 4 rows of distinct swizzle phase: V is read once,
   16 bytes a thread, conflict-free, and transposed by byte permutes in registers. p is scaled by
   P_SCALE (exact, a power of two) and stored as e4m3 into a [BLOCK_H, 64] buffer (the B operand).
-  The relabelling is undone when the output is written.
+  The relabelling is undone when the output is written (a free reshape, then one pass through
+  shared memory so that the partials leave in 16-byte stores).
+* A split's partial last tile is fetched through descriptors whose rows end at the request's end:
+  TMA fills the box past it with zeros (stale bytes, even NaN, never reach shared memory) and the
+  scores there are masked to -inf; the loop over whole tiles runs unmasked.
 
 Shared memory: NUM_STAGES x 36 KB of tiles + BLOCK_H x 576 B of query + BLOCK_H x 64 B of p.
 Moves L*576 B of KV (L = tokens read, whole 64-token tiles) + B*H*(576 + 512)*2 B of queries and
@@ -71,6 +75,16 @@ def _token_of_k(k):
 V_LAYOUT_BASES = dict(reg=[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0], [8, 0], [16, 0], [32, 0]],
                       lane=[[1, 0], [2, 0], [0, 64], [0, 16], [0, 32]], warp=[[0, 128], [0, 256]])
 
+# The relabellings as reshape + permute, spelled out literally in the kernel (pure renames of
+# registers there); tests/test_gluon.py replays them in torch against _col_of_row / _token_of_k
+# and checks that the kernel's source spells the same numbers:
+# V^T [512 col, 64 tok] -> [c8c7, c6, c5, c4, c3c2c1, c0, t5t4, t3t2, t1t0] -> rows m, k in MMA order
+V_SPLIT, V_PERM = (4, 2, 2, 2, 8, 2, 4, 4, 4), (4, 0, 5, 2, 3, 1, 6, 8, 7)
+# p [64 tok, H] -> [t5t4, t3t2, t1t0, H] -> p^T [H, k]
+P_SPLIT, P_PERM = (4, 4, 4), (3, 0, 2, 1)
+# out^T [512 m, H] -> [m8m7m6, m5m4, m3, m2, m1, m0, H] -> [512 col, H]
+ACC_SPLIT, ACC_PERM = (8, 4, 2, 2, 2, 2), (1, 5, 3, 4, 0, 2, 6)
+
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed in Triton 3.7
@@ -104,28 +118,43 @@ if HAS_GLUON:
         return gl.reshape(p, [BH, 64])
 
     @gluon.jit
-    def _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, tile, start, n_tiles,
-               NUM_STAGES: gl.constexpr, PAGE: gl.constexpr):
-        """TMA of tile ``tile`` of this split (if it exists) into its ring slot."""
+    def _unrelabel_acc(acc):
+        """out^T [512 rows m, BLOCK_H] -> [512 columns, BLOCK_H]: row m holds column _col_of_row(m)."""
+        BH: gl.constexpr = acc.shape[1]
+        acc = gl.reshape(acc, [8, 4, 2, 2, 2, 2, BH])  # m = (m8 m7 m6 | m5 m4 | m3 | m2 | m1 | m0)
+        # column = (c8 c7 = m5 m4 | c6 = m0 | c5 = m2 | c4 = m1 | c3 c2 c1 = m8 m7 m6 | c0 = m3)
+        acc = gl.permute(acc, (1, 5, 3, 4, 0, 2, 6))
+        return gl.reshape(acc, [512, BH])
+
+    @gluon.jit
+    def _issue(descs, ring, split, tile, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr):
+        """TMA of tile ``tile`` of this split (if it exists) into its ring slot. The partial last tile
+        comes through the tail descriptors, whose rows end at the request's end: TMA fills the rest
+        of the box with zeros, so stale bytes (even NaN) past the end never reach shared memory."""
+        ckv_desc, kpe_desc, ckv_tail, kpe_tail = descs
+        ckv_ring, kpe_ring, bars = ring
+        kv_indices_ptr, page_base, start, end, n_full, n_tiles = split
         if tile < n_tiles:
-            n0 = start + tile * 64
-            page = gl.load(kv_indices_ptr + page_base + n0 // PAGE)
-            row = page * PAGE + n0 % PAGE
             slot = tile % NUM_STAGES
             bar = bars.index(slot)
             mbarrier.expect(bar, 64 * 576)
-            tma.async_copy_global_to_shared(ckv_desc, [row, 0], bar, ckv_ring.index(slot))
-            tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, kpe_ring.index(slot))
+            if tile < n_full:
+                n0 = start + tile * 64
+                row = gl.load(kv_indices_ptr + page_base + n0 // PAGE) * PAGE + n0 % PAGE
+                tma.async_copy_global_to_shared(ckv_desc, [row, 0], bar, ckv_ring.index(slot))
+                tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, kpe_ring.index(slot))
+            else:
+                tma.async_copy_global_to_shared(ckv_tail, [0, 0], bar, ckv_ring.index(slot))
+                tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @gluon.jit
-    def _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars, kv_indices_ptr, page_base,
-              tile, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+    def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_H, 32])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
-        v_layout: gl.constexpr = _v_layout(4)
+        ckv_ring, kpe_ring, bars = ring
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         ckv = ckv_ring.index(slot)
@@ -133,20 +162,17 @@ if HAS_GLUON:
         s = warpgroup_mma(ckv, qn_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
                           use_acc=False, is_async=True)
         s = warpgroup_mma(kpe, qp_smem.permute((1, 0)), s, is_async=True)
-        v = ckv.load(v_layout)  # [64, 512] e4m3, while the score MMA runs
+        v = ckv.load(_v_layout(4))  # [64, 512] e4m3, while the score MMA runs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
-        _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, tile + NUM_STAGES, start,
-               n_tiles, NUM_STAGES, PAGE)
+        _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
 
         s = s * qk_scale
-        if MASKED:  # rows past the request's end: -inf scores, V zeroed (stale bytes may be NaN)
-            n0 = start + tile * 64
-            tok_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            s = gl.where((tok_s < end)[:, None], s, -float("inf"))
-            tok_v = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, v_layout))
-            vi = v.to(gl.int8, bitcast=True)
-            v = gl.where((tok_v < end)[:, None], vi, gl.zeros_like(vi)).to(gl.float8e4nv, bitcast=True)
+        if MASKED:  # rows past the request's end (zeros, from the tail descriptor): -inf scores
+            start = split[2]
+            end = split[3]
+            tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+            s = gl.where((tok < end)[:, None], s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[None, :])
@@ -190,8 +216,6 @@ if HAS_GLUON:
         kpe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
 
-        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
-        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
         ckv_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 512], ckv_sl)
         kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
         qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 512], ckv_sl)
@@ -208,9 +232,23 @@ if HAS_GLUON:
         end = gl.minimum(start + split_len, seq_len)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
         n_full = gl.maximum(end - start, 0) // 64
+        # TMA descriptors: the whole pool as token rows; and the rows of the partial last tile (if
+        # any) up to the request's end, so that the box past it reads as zeros
+        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
+        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
+        n0_tail = start + n_full * 64
+        tail_rows = gl.maximum(end - n0_tail, 1)
+        tail_row = 0
+        if n_full < n_tiles:
+            tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
+        tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
+        ckv_tail = tma.make_tensor_descriptor(tail_ptr, [tail_rows, 512], [576, 1], [64, 512], ckv_sl)
+        kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [tail_rows, 64], [576, 1], [64, 64], kpe_sl)
+        descs = (ckv_desc, kpe_desc, ckv_tail, kpe_tail)
+        ring = (ckv_ring, kpe_ring, bars)
+        split_ = (kv_indices_ptr, page_base, start, end, n_full, n_tiles)
         for i in gl.static_range(NUM_STAGES):
-            _issue(ckv_desc, kpe_desc, ckv_ring, kpe_ring, bars, kv_indices_ptr, page_base, i, start, n_tiles,
-                   NUM_STAGES, PAGE)
+            _issue(descs, ring, split_, i, NUM_STAGES, PAGE)
 
         # the query in e4m3, one scale for the CTA (amax / 448), into shared memory (the B operands)
         heads = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -233,33 +271,35 @@ if HAS_GLUON:
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
         acc = gl.zeros([512, BLOCK_H], gl.float32, layout=s_layout)  # out^T, rows relabelled
         for tile in range(0, n_full):
-            m_i, l_i, acc = _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars,
-                                  kv_indices_ptr, page_base, tile, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+            m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
                                   False, NUM_STAGES, PAGE, BLOCK_H)
         if n_full < n_tiles:  # the split's partial last tile, masked
-            m_i, l_i, acc = _tile(ckv_desc, kpe_desc, ckv_ring, kpe_ring, p_smem, qn_smem, qp_smem, bars,
-                                  kv_indices_ptr, page_base, n_full, start, end, n_tiles, qk_scale, m_i, l_i, acc,
+            m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i, acc,
                                   True, NUM_STAGES, PAGE, BLOCK_H)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        l_i = gl.sum(l_i, axis=0)
+        # out^T back to [512 columns, BLOCK_H] in column order (free), then through shared memory
+        # to a layout that writes 16 contiguous bytes a thread: the partials are one write of
+        # B*H*S*512*4 B, and scattered 4-byte stores would cost several times that in sectors
+        o_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        out = gl.convert_layout(_unrelabel_acc(acc), o_layout)
+        l_i = gl.convert_layout(gl.sum(l_i, axis=0), gl.SliceLayout(0, o_layout))
+        m_i = gl.convert_layout(m_i, gl.SliceLayout(0, o_layout))
         l_safe = gl.maximum(l_i, 1e-30)
         inv = gl.where(l_i > 0, 1.0 / (l_safe * _P_SCALE), 0.0)
-        m = gl.arange(0, 512, layout=gl.SliceLayout(1, s_layout))
-        col = (((m >> 3) & 1) | (((m >> 6) & 7) << 1) | (((m >> 1) & 1) << 4) | (((m >> 2) & 1) << 5)
-               | ((m & 1) << 6) | (((m >> 4) & 3) << 7))  # _col_of_row(m)
-        h_o = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+        col = gl.arange(0, 512, layout=gl.SliceLayout(1, o_layout))
+        h_o = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
         hmask_o = (h_o < H)[None, :]
         if DIRECT:
-            out = acc * (inv * out_scale)[None, :]
+            out = out * (inv * out_scale)[None, :]
             ptrs = o_ptr + b * stride_o_b + h_o[None, :] * stride_o_h + col[:, None]
             gl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=hmask_o)
             lse = gl.where(l_i > 0, (m_i + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
             gl.store(lse_ptr + b * H + h_o, lse, mask=h_o < H)
         else:
             row_o = (b * H + h_o) * num_splits + split
-            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], acc * inv[None, :], mask=hmask_o)
+            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], out * inv[None, :], mask=hmask_o)
             lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), -float("inf"))
             gl.store(lse_ptr + row_o, lse2, mask=h_o < H)
 

@@ -66,6 +66,31 @@ def test_relabelling_is_a_bijection():
     assert sorted(G._token_of_k(k) for k in range(64)) == list(range(64))
 
 
+def test_relabel_reshapes_match_the_index_maps():
+    """The kernel's reshape + permute sequences (replayed in torch on index tensors) move column
+    _col_of_row(m) to row m and token _token_of_k(k) to k, and back for the output."""
+    import inspect
+
+    col = torch.arange(512)[:, None].expand(512, 64)  # V^T [512 col, 64 tok]: each value = its column
+    tok = torch.arange(64)[None, :].expand(512, 64)
+    for src, want in ((col, [[G._col_of_row(m)] * 64 for m in range(512)]),
+                      (tok, [[G._token_of_k(k) for k in range(64)]] * 512)):
+        got = src.reshape(G.V_SPLIT).permute(G.V_PERM).reshape(512, 64)
+        assert got.tolist() == want
+    p = torch.arange(64)[:, None].expand(64, 16)  # p [64 tok, H]: each value = its token
+    got = p.reshape(*G.P_SPLIT, 16).permute(G.P_PERM).reshape(16, 64)
+    assert got.tolist() == [[G._token_of_k(k) for k in range(64)]] * 16
+    acc = torch.tensor([G._col_of_row(m) for m in range(512)])[:, None].expand(512, 16)  # out^T rows
+    got = acc.reshape(*G.ACC_SPLIT, 16).permute(G.ACC_PERM).reshape(512, 16)
+    assert got[:, 0].tolist() == list(range(512))
+    src = inspect.getsource(G)
+    assert f"gl.reshape(vt, {list(G.V_SPLIT)})" in src and f"gl.permute(vt, {G.V_PERM})" in src
+    assert f"gl.reshape(p, {list(G.P_SPLIT) + ['BH']})".replace("'", "") in src
+    assert f"gl.permute(p, {G.P_PERM})" in src
+    assert f"gl.reshape(acc, {list(G.ACC_SPLIT) + ['BH']})".replace("'", "") in src
+    assert f"gl.permute(acc, {G.ACC_PERM})" in src
+
+
 def test_v_layout_is_the_wgmma_fragment_relabelled():
     """Each thread loads exactly the V values that the MMA wants from it, 16 adjacent bytes at a time,
     and the 8 lanes of each 16-byte shared-memory phase hit 8 distinct swizzle slots."""
@@ -123,7 +148,7 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
     st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
     # two tile bodies (the loop and the masked last tile), each: 16 x LDS.128 = the 256 B of V a thread
     # holds, 18 score MMAs (512 + 64 columns, k = 32) and 16 p @ V MMAs (8 row blocks x 2 k steps)
-    assert st["ops"].get("LDS.128") == 32
+    assert st["ops"].get("LDS.128", 0) >= 32 and st["stack"] == 0  # (+ the output's layout change)
     assert not any(o.startswith("LDS.U8") for o in st["ops"])
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 2 * (18 + 16)
     assert not any(o.startswith(("HMMA", "HGMMA")) for o in st["ops"])  # no 16-bit MMA: V is never widened
