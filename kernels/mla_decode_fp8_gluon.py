@@ -309,10 +309,10 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-# Measured on the H200 (scripts/gpu_gluon.py -> data/kernels/h200_run4a_gluon.*, CUDA-graph medians):
-# a 3-tile ring and one wave of one CTA per SM was best or within 1% at every shape with <= 16 heads
-# (93.8 us at 16 heads 64 x 8K; two CTAs per SM: 104.5 us); 32 heads (spilling): a 4-tile ring.
-GPU_CONFIG = {16: dict(num_stages=3, ctas_per_sm=1), 32: dict(num_stages=4, ctas_per_sm=1)}
+# Measured on the H200 (scripts/gpu_gluon.py -> data/kernels/h200_run4c_gluon.*, CUDA-graph medians):
+# two CTAs per SM with a 2-tile ring each was best at 16 heads 128 x 8K, 32 x 32K, 8 heads 128 x 16K
+# and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,7 +352,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     v_scale : scale of V, folded into the output; defaults to k_scale.
     num_splits : splits per request (None: one wave of ``ctas_per_sm`` CTAs per SM).
     return_lse : also return lse.
-    num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``, per head block): ring depth
+    num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
 
@@ -368,7 +368,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
                          f"got strides {tuple(kv_buffer.stride())}")
     block_h = 16 if H <= 16 else 32
-    cfg = dict(GPU_CONFIG[block_h])
+    cfg = dict(GPU_CONFIG)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")

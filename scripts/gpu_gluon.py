@@ -21,7 +21,8 @@ gpu_tma.VARIANTS = {
     "gluon.s2_c2": ("gluon", dict(num_stages=2, ctas_per_sm=2)),
     "gluon.s2_c1": ("gluon", dict(num_stages=2, ctas_per_sm=1)),
     "gluon.s4_c1": ("gluon", dict(num_stages=4, ctas_per_sm=1)),
-    "gluon.default": ("gluon", dict()),  # 3 stages, 1 CTA per SM (4 stages at 32 heads)
+    "gluon.s3_c1": ("gluon", dict(num_stages=3, ctas_per_sm=1)),
+    "gluon.default": ("gluon", dict()),  # 2 stages, 2 CTAs per SM
 }
 gpu_tma.SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (8, 128, 16384),
                   (32, 64, 8192), (16, 1, 8192)]

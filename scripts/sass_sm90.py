@@ -2,7 +2,7 @@
 what its SASS does, as JSON: registers, spill stack, shared memory, instruction counts. Read this
 before spending GPU time on a change to the kernel.
 
-    python scripts/sass_sm90.py [--block-h 16] [--stages 3] [--sass FILE]
+    python scripts/sass_sm90.py [--block-h 16] [--stages 2] [--sass FILE]
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def stats(cc) -> tuple[dict, str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block-h", type=int, default=16, choices=(16, 32))
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=G.GPU_CONFIG["num_stages"])
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
     st, sass = stats(compile_sm90(a.block_h, a.stages))

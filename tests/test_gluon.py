@@ -152,7 +152,7 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
     assert not any(o.startswith("LDS.U8") for o in st["ops"])
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 2 * (18 + 16)
     assert not any(o.startswith(("HMMA", "HGMMA")) for o in st["ops"])  # no 16-bit MMA: V is never widened
-    assert st["shared"] >= 3 * 64 * 576  # the 3-tile ring
+    assert st["shared"] >= G.GPU_CONFIG["num_stages"] * 64 * 576  # the tile ring
 
 
 # ------------------------------------------------------------------ GPU -------------------------
