@@ -236,14 +236,15 @@ if HAS_GLUON:
         # any) up to the request's end, so that the box past it reads as zeros
         ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
         kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
-        n0_tail = start + n_full * 64
-        tail_rows = gl.maximum(end - n0_tail, 1)
-        tail_row = 0
         if n_full < n_tiles:
+            n0_tail = start + n_full * 64
             tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
-        tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
-        ckv_tail = tma.make_tensor_descriptor(tail_ptr, [tail_rows, 512], [576, 1], [64, 512], ckv_sl)
-        kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [tail_rows, 64], [576, 1], [64, 64], kpe_sl)
+            tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
+            ckv_tail = tma.make_tensor_descriptor(tail_ptr, [end - n0_tail, 512], [576, 1], [64, 512], ckv_sl)
+            kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [end - n0_tail, 64], [576, 1], [64, 64], kpe_sl)
+        else:  # no partial tile: no descriptors to build (each costs a global write and a fence)
+            ckv_tail = ckv_desc
+            kpe_tail = kpe_desc
         descs = (ckv_desc, kpe_desc, ckv_tail, kpe_tail)
         ring = (ckv_ring, kpe_ring, bars)
         split_ = (kv_indices_ptr, page_base, start, end, n_full, n_tiles)
