@@ -36,7 +36,8 @@ for s in $stages; do
   case $s in
     bench) stage bench "${T_bench:-200}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" ;;
     notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
-    tests) stage tests "${T_tests:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+    # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
+    tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
              tests/test_study.py tests/test_gluon.py ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
