@@ -1,12 +1,20 @@
 """A registry of named decode backends with one call and capability rules as data.
 
-    backend = get("fp8_native")                 # best implementation available here
-    out = backend.decode(q_nope, q_pe, pool, layer, batch, sm_scale)   # [B, H, 512]
+    backend = select("fp8_native", q_nope, pool, batch, precision="fast")  # fastest allowed here
+    out = backend.decode(q_nope, q_pe, pool, layer, batch, sm_scale)       # [B, H, 512]
+
+    plan = backend.plan(pool, batch, num_heads, sm_scale)   # once per batch (a decode step)
+    out = plan.run(q_nope, q_pe, layer, token_indices)      # every layer: no planning, no sync
 
 Names are ``<path>.<impl>``: the path says what is done to the FP8 pool (``full_pool_cast``,
 ``gather_cast``, ``fp8_native``, or ``bf16_pool``: a 16-bit kernel on a pool already in BF16, the
 best case a BF16 kernel can have), the implementation says by what (``torch``, ``triton``, ...).
 A backend refuses before any launch, with a ``ValueError``, what its rules do not allow.
+
+Precision is a rule of each implementation: ``accurate`` backends stay within 3e-3 relative error
+of the float64 oracle (16-bit or split-FP8 arithmetic; every cast and BF16-pool path is accurate by
+nature), ``fast`` ones may quantize the query or the probabilities to FP8 (~1e-2 to 3e-2).
+``select(..., precision="accurate")`` takes only accurate ones; ``precision="fast"`` takes any.
 """
 from __future__ import annotations
 
@@ -19,7 +27,9 @@ from . import torch_paths
 from .kvpool import DecodeBatch, KVPool
 
 PATHS = ("full_pool_cast", "gather_cast", "fp8_native", "bf16_pool")
+PRECISIONS = ("fast", "accurate")
 ALL_PAGE_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
+FP8_LAYOUTS = ("fp8_per_tensor",)  # what an FP8 backend reads unless it says more
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,10 @@ class Backend:
     impl: str
     fn: Callable = field(repr=False)
     kv_dtypes: tuple = ("fp8_e4m3", "bf16")
+    kv_layouts: tuple = ("fp8_per_tensor", "bf16")  # labkit.kvlayout names
+    precision: str = "accurate"  # "fast" or "accurate" (module docstring)
+    dense: bool = True  # takes dense batches (every token of the request's pages)
+    sparse: bool = False  # takes sparse batches (top-k token slots per request)
     min_capability: tuple | None = None  # CUDA (major, minor); None: no CUDA needed
     max_capability: tuple | None = None  # e.g. (9, 0): wgmma exists on Hopper only
     runs_on_cpu: bool = True
@@ -36,8 +50,11 @@ class Backend:
     max_heads: int = 128
     kernel: str = ""  # what does the attention, as the study names it
     note: str = ""
+    # planner(pool, batch, num_heads, sm_scale, q_dtype) -> run(q_nope, q_pe, layer, batch_with_slots),
+    # the per-batch work done once; None: ``run`` calls ``fn`` directly
+    planner: Callable | None = field(default=None, repr=False)
 
-    def check(self, q_nope: torch.Tensor, pool: KVPool) -> None:
+    def check(self, q_nope: torch.Tensor, pool: KVPool, batch: DecodeBatch | None = None) -> None:
         """Raise ``ValueError`` naming the rule that this call breaks; nothing is launched."""
         dev = pool.device
         if pool.kv_dtype not in self.kv_dtypes:
@@ -45,6 +62,14 @@ class Backend:
                 f"backend {self.name!r} ({self.kernel or self.impl}) takes KV dtypes {list(self.kv_dtypes)}, "
                 f"got {pool.dtype} (kv_dtype={pool.kv_dtype!r}); use a backend that reads it, e.g. 'fp8_native'"
             )
+        if pool.kv_layout not in self.kv_layouts:
+            raise ValueError(f"backend {self.name!r} reads kv_layout {list(self.kv_layouts)}, "
+                             f"the pool is {pool.kv_layout!r}")
+        if batch is not None:
+            if not (self.sparse if batch.topk else self.dense):
+                kind = "sparse (top-k token slots)" if batch.topk else "dense"
+                raise ValueError(f"backend {self.name!r} takes {'sparse' if self.sparse else 'dense'} "
+                                 f"batches only, this one is {kind}")
         if dev.type == "cpu" and not self.runs_on_cpu:
             raise ValueError(f"backend {self.name!r} needs a CUDA device; the pool is on the CPU")
         if dev.type == "cuda" and self.min_capability:
@@ -62,10 +87,52 @@ class Backend:
         if q_nope.shape[1] > self.max_heads:
             raise ValueError(f"backend {self.name!r}: {q_nope.shape[1]} heads; allowed 1..{self.max_heads}")
 
-    def decode(self, q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-        """q_nope [B, H, 512] bf16, q_pe [B, H, 64] bf16 -> out [B, H, 512] bf16."""
-        self.check(q_nope, pool)
-        return self.fn(q_nope, q_pe, pool, layer, batch, sm_scale)
+    def decode(self, q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float,
+               token_indices: torch.Tensor | None = None):
+        """q_nope [B, H, 512] bf16, q_pe [B, H, 64] bf16 -> out [B, H, 512] bf16.
+
+        ``token_indices`` [B, topk] int32 (this layer's slots) overrides ``batch.slots(layer)``.
+        Checks the rules on every call; a decode loop uses ``plan`` once and ``run`` per layer."""
+        self.check(q_nope, pool, batch)
+        return self.plan(pool, batch, q_nope.shape[1], sm_scale, q_nope.dtype).run(q_nope, q_pe, layer, token_indices)
+
+    def plan(self, pool: KVPool, batch: DecodeBatch, num_heads: int, sm_scale: float,
+             q_dtype: torch.dtype = torch.bfloat16) -> "DecodePlan":
+        """What is fixed for a batch (splits, scratch, descriptors), computed once and cached."""
+        key = (id(pool), id(batch), num_heads, sm_scale, q_dtype)
+        plan = _PLANS.get(self.name, {}).get(key)
+        if plan is None:
+            run = self.planner(pool, batch, num_heads, sm_scale, q_dtype) if self.planner else None
+            plan = DecodePlan(self, pool, batch, sm_scale, run)
+            cache = _PLANS.setdefault(self.name, {})
+            if len(cache) >= 8:  # plans hold scratch: keep a few per backend
+                cache.pop(next(iter(cache)))
+            cache[key] = plan
+        return plan
+
+
+@dataclass
+class DecodePlan:
+    """A backend bound to one pool and one batch; ``run`` is one layer's decode."""
+
+    backend: Backend
+    pool: KVPool
+    batch: DecodeBatch
+    sm_scale: float
+    _run: Callable | None = field(default=None, repr=False)
+
+    def run(self, q_nope, q_pe, layer: int, token_indices: torch.Tensor | None = None):
+        """q_nope [B, H, 512], q_pe [B, H, 64] -> out [B, H, 512]; ``token_indices`` [B, topk] int32
+        or None (the batch's slots of ``layer``; dense batches have none)."""
+        batch = self.batch
+        if token_indices is not None or batch.token_indices is not None:
+            batch = batch.with_slots(token_indices if token_indices is not None else batch.slots(layer))
+        if self._run is not None:
+            return self._run(q_nope, q_pe, layer, batch)
+        return self.backend.fn(q_nope, q_pe, self.pool, layer, batch, self.sm_scale)
+
+
+_PLANS: dict[str, dict] = {}
 
 
 REGISTRY: dict[str, Backend] = {}
@@ -100,6 +167,39 @@ def get(name: str, device: str | torch.device | None = None) -> Backend:
     raise ValueError(f"backend {name!r} is unknown; allowed: {sorted(REGISTRY) + list(PATHS)}")
 
 
+def select(path: str, q_nope: torch.Tensor, pool: KVPool, batch: DecodeBatch, precision: str = "fast") -> Backend:
+    """The fastest implementation of ``path`` whose rules allow this call, by the measured table of
+    ``labkit.preferences`` for this GPU (its fallback order on a GPU it does not know; the torch
+    paths first on a CPU). Peers (FlashInfer) are measured beside ours but never selected.
+
+    precision: "fast" (any implementation) or "accurate" (relative error <= 3e-3 only)."""
+    from . import preferences
+
+    _load_optional()
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; allowed: {list(PRECISIONS)}")
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}; allowed: {list(PATHS)}")
+    arch = preferences.arch_of(pool.device)
+    ranked, _ = preferences.order(path, arch, q_nope.shape[1], batch.batch_size, bool(batch.topk), precision)
+    rest = [b.impl for b in REGISTRY.values() if b.path == path and b.impl not in ranked]
+    why = []
+    for impl in (*ranked, *rest):
+        b = REGISTRY.get(f"{path}.{impl}")
+        if b is None or b.impl == "flashinfer":
+            continue
+        if precision == "accurate" and b.precision != "accurate":
+            why.append(f"{b.name}: precision {b.precision!r}")
+            continue
+        try:
+            b.check(q_nope, pool, batch)
+        except ValueError as e:
+            why.append(str(e))
+            continue
+        return b
+    raise ValueError(f"no implementation of {path!r} allows this call (precision={precision!r}): " + "; ".join(why))
+
+
 def names(path: str | None = None) -> list[str]:
     _load_optional()
     return [n for n, b in REGISTRY.items() if path is None or b.path == path]
@@ -111,7 +211,8 @@ def capability_table() -> list[dict]:
     rows = []
     for b in REGISTRY.values():
         rows.append(dict(backend=b.name, path=b.path, impl=b.impl, kernel=b.kernel,
-                         kv_dtypes=",".join(b.kv_dtypes),
+                         kv_layouts=",".join(b.kv_layouts), precision=b.precision,
+                         batches="/".join(k for k, on in (("dense", b.dense), ("sparse", b.sparse)) if on),
                          min_capability="-" if b.min_capability is None else "%d.%d" % b.min_capability,
                          cpu=b.runs_on_cpu, page_sizes=_span(b.page_sizes), max_heads=b.max_heads,
                          available=True, note=b.note))
@@ -148,7 +249,7 @@ register(Backend("full_pool_cast.torch", "full_pool_cast", "torch", torch_paths.
 register(Backend("gather_cast.torch", "gather_cast", "torch", torch_paths.gather_cast,
                  kernel="torch index + .to() + torch attention"))
 register(Backend("fp8_native.torch", "fp8_native", "torch", torch_paths.fp8_native, kv_dtypes=("fp8_e4m3",),
-                 kernel="torch tiles, fp32 widen per tile"))
+                 kv_layouts=("fp8_per_tensor",), kernel="torch tiles, fp32 widen per tile"))
 register(Backend("bf16_pool.torch", "bf16_pool", "torch",
                  lambda qn, qp, pool, layer, batch, s: torch_paths.attend_16bit(qn, qp, pool.layer(layer), batch, s),
-                 kv_dtypes=("bf16",), kernel="torch attention, 16-bit KV only"))
+                 kv_dtypes=("bf16",), kv_layouts=("bf16",), kernel="torch attention, 16-bit KV only"))

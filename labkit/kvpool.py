@@ -4,11 +4,16 @@ Layout (SGLang/FlashInfer MLA): every token of every layer holds one latent row 
 ``kv_dim = kv_lora_rank + qk_rope_head_dim`` values (512 ``ckv`` + 64 ``kpe`` = 576), shared
 by all heads. Rows are grouped into pages of ``page_size`` tokens:
 
-    kv_buffer: [num_layers, num_pages, page_size, kv_dim]  float8_e4m3fn or bfloat16
-    k_scale:   [num_layers] float32, per-tensor, real = stored * k_scale (1.0 for BF16)
+    kv_buffer: [num_layers, num_pages, page_size, row]   row per ``kv_layout`` (labkit.kvlayout):
+               "fp8_per_tensor"  float8_e4m3fn [576]
+               "fp8_ds_mla"      uint8 [656]: 512 e4m3 | 4 fp32 group scales | 64 bf16
+               "bf16"            bfloat16 [576]
+    k_scale:   [num_layers] float32, per-tensor, real = stored * k_scale (1.0 for BF16 and ds_mla)
 
 The same latent row is both key (all 576) and value (the first 512), so ``v_scale == k_scale``.
-A batch reads pages through ``kv_indptr`` / ``kv_indices`` (page ids) / ``kv_last_page_len``.
+Token ``t`` of the pool is row ``t`` of ``rows(layer)``: page ``t // page_size``, slot ``t % page_size``.
+A dense batch reads pages through ``kv_indptr`` / ``kv_indices`` (page ids) / ``kv_last_page_len``;
+a sparse (DSA) batch also carries per request its top-k token ids (``token_indices``, -1 = none).
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import kvlayout
 from .config import KV_DTYPES
-
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+from .kvlayout import E4M3_MAX, quantize_e4m3  # noqa: F401
 
 
 @dataclass
@@ -26,6 +31,16 @@ class KVPool:
     kv_buffer: torch.Tensor  # [num_layers, num_pages, page_size, kv_dim]
     k_scale: torch.Tensor  # [num_layers] float32, kept on the CPU: kernels take it as a scalar
     kv_lora_rank: int = 512
+    kv_layout: str | None = None  # None: from the buffer's dtype ("bf16" or "fp8_per_tensor")
+
+    def __post_init__(self):
+        if self.kv_layout is None:
+            self.kv_layout = "bf16" if self.kv_buffer.dtype == torch.bfloat16 else "fp8_per_tensor"
+        kvlayout.check_layout(self.kv_layout)
+        want = {"bf16": torch.bfloat16, "fp8_per_tensor": torch.float8_e4m3fn, "fp8_ds_mla": torch.uint8}
+        if self.kv_buffer.dtype != want[self.kv_layout]:
+            raise ValueError(f"kv_layout={self.kv_layout!r} stores {want[self.kv_layout]}, "
+                             f"the buffer holds {self.kv_buffer.dtype}")
 
     @property
     def num_layers(self) -> int:
@@ -41,7 +56,12 @@ class KVPool:
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_buffer.shape[3]
+        """Values per token (576), whatever the layout stores."""
+        return self.kv_lora_rank + 64 if self.kv_layout == "fp8_ds_mla" else self.kv_buffer.shape[3]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kvlayout.KV_LAYOUTS[self.kv_layout]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,7 +69,8 @@ class KVPool:
 
     @property
     def kv_dtype(self) -> str:
-        return next(k for k, v in KV_DTYPES.items() if v == self.dtype)
+        """"fp8_e4m3" for both FP8 layouts, "bf16" otherwise."""
+        return "bf16" if self.kv_layout == "bf16" else "fp8_e4m3"
 
     @property
     def device(self) -> torch.device:
@@ -63,7 +84,15 @@ class KVPool:
         """[num_pages, page_size, kv_dim] in storage dtype (a view)."""
         return self.kv_buffer[i]
 
+    def rows(self, i: int) -> torch.Tensor:
+        """[pool_tokens, row] in storage dtype (a view): row t is token t, the id sparse batches use."""
+        return self.kv_buffer[i].flatten(0, 1)
+
     def scale(self, i: int) -> float:
+        """The per-tensor scale of layer ``i``; ``fp8_ds_mla`` rows carry their own scales."""
+        if self.kv_layout == "fp8_ds_mla":
+            raise ValueError("kv_layout='fp8_ds_mla' has a scale per 128 values in each row, no per-tensor "
+                             "k_scale; read the rows with labkit.kvlayout (ds_scales) or use dequant()")
         return float(self.k_scale[i])
 
     def ckv(self, i: int) -> torch.Tensor:
@@ -73,16 +102,9 @@ class KVPool:
         return self.kv_buffer[i, ..., self.kv_lora_rank :]
 
     def dequant(self, i: int, dtype=torch.float32) -> torch.Tensor:
-        """Real values of layer ``i``: [num_pages, page_size, kv_dim] in ``dtype``."""
-        return self.kv_buffer[i].to(dtype) * self.scale(i)
-
-
-def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Per-tensor FP8 e4m3 quantization with torch: returns (x_fp8, k_scale), x ~= x_fp8 * k_scale."""
-    amax = x.abs().amax().float().clamp_min(1e-12)
-    k_scale = float(amax) / E4M3_MAX
-    q = (x.float() / k_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, k_scale
+        """Real values of layer ``i``: [num_pages, page_size, 576] in ``dtype``, any layout."""
+        k_scale = 1.0 if self.kv_layout == "fp8_ds_mla" else self.scale(i)
+        return kvlayout.dequant(self.kv_buffer[i], self.kv_layout, k_scale, dtype)
 
 
 def _draw_layer(shape, gen, device, std) -> torch.Tensor:
@@ -102,31 +124,33 @@ def random_pool(
     device="cpu",
     seed: int = 0,
     return_source: bool = False,
+    kv_layout: str | None = None,
 ):
     """A pool of ``pool_tokens // page_size`` pages per layer filled with random real data.
 
+    ``kv_layout`` (labkit.kvlayout) overrides ``kv_dtype``: "fp8_e4m3" means "fp8_per_tensor".
     With ``return_source`` also returns the unquantized float32 data
-    [num_layers, num_pages, page_size, kv_dim] (keep pools small then).
+    [num_layers, num_pages, page_size, 576] (keep pools small then).
     """
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {sorted(KV_DTYPES)}")
+    layout = kvlayout.check_layout(kv_layout or ("bf16" if kv_dtype == "bf16" else "fp8_per_tensor"))
     num_pages = pool_tokens // page_size
     kv_dim = kv_lora_rank + qk_rope_head_dim
+    row = kvlayout.KV_LAYOUTS[layout] if layout == "fp8_ds_mla" else kv_dim
+    dtype = {"bf16": torch.bfloat16, "fp8_per_tensor": torch.float8_e4m3fn, "fp8_ds_mla": torch.uint8}[layout]
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    buf = torch.empty(num_layers, num_pages, page_size, kv_dim, dtype=KV_DTYPES[kv_dtype], device=device)
+    buf = torch.empty(num_layers, num_pages, page_size, row, dtype=dtype, device=device)
     scales = torch.ones(num_layers, dtype=torch.float32)
-    source = torch.empty(buf.shape, dtype=torch.float32) if return_source else None
+    source = torch.empty(num_layers, num_pages, page_size, kv_dim, dtype=torch.float32) if return_source else None
     for i in range(num_layers):
-        x = _draw_layer(buf.shape[1:], gen, device, std=0.5 + 0.25 * (i % 4))
-        if kv_dtype == "fp8_e4m3":
-            buf[i], scales[i] = quantize_e4m3(x)
-        else:
-            buf[i] = x.to(buf.dtype)
+        x = _draw_layer((num_pages, page_size, kv_dim), gen, device, std=0.5 + 0.25 * (i % 4))
+        buf[i], scales[i] = kvlayout.quantize(x, layout)
         if source is not None:
             source[i] = x.cpu()
         del x
-    pool = KVPool(buf, scales, kv_lora_rank)
+    pool = KVPool(buf, scales, kv_lora_rank, layout)
     return (pool, source.to(device)) if return_source else pool
 
 
@@ -138,7 +162,10 @@ class DecodeBatch:
     kv_indices:       [nnz] int32 page ids into the pool
     kv_last_page_len: [B] int32, tokens used in each request's last page (1..page_size)
     kv_lens:          [B] int32, context length of each request
-    token_indices:    reserved for sparse (DSA top-k) decode: [B, topk] int32 token ids, or None
+    token_indices:    sparse (DSA) decode: the top-k token ids each request attends to, global rows
+                      of ``KVPool.rows`` (page_id * page_size + slot), -1 = none (never read); int32
+                      [B, topk] (the same slots in every layer) or [num_layers, B, topk] (per layer,
+                      as an indexer gives them); None: dense, every token of the request's pages
     lens_host:        the context lengths as a host tuple, so that launchers never read them back
                       from the device (a sync per call, which would stall a decode step)
     """
@@ -167,6 +194,20 @@ class DecodeBatch:
     @property
     def num_pages(self) -> int:
         return self.kv_indices.numel()
+
+    @property
+    def topk(self) -> int:
+        """Slots per request of a sparse batch; 0 for a dense one."""
+        return 0 if self.token_indices is None else self.token_indices.shape[-1]
+
+    def slots(self, layer: int = 0) -> torch.Tensor | None:
+        """[B, topk] int32 token ids of ``layer`` (None when dense)."""
+        t = self.token_indices
+        return t if t is None or t.dim() == 2 else t[layer]
+
+    def with_slots(self, token_indices: torch.Tensor | None) -> "DecodeBatch":
+        """The same planned batch with one layer's slots [B, topk] (no copy, no validation)."""
+        return replace(self, token_indices=token_indices)
 
     @property
     def max_len(self) -> int:

@@ -70,6 +70,7 @@ if BatchMLAPagedAttentionWrapper is not None:
                      min_capability=(8, 0), kernel="FlashInfer BatchMLAPagedAttentionWrapper (fa3), BF16 KV",
                      note="FP8 pool: whole-layer .to() first, as the seed's server"))
     register(Backend("flashinfer_mla_fp8", "fp8_native", "flashinfer", _fp8, kv_dtypes=("fp8_e4m3",),
+                     kv_layouts=("fp8_per_tensor",),
                      runs_on_cpu=False, min_capability=(9, 0),
                      kernel="FlashInfer BatchMLAPagedAttentionWrapper (fa3), FP8 KV",
                      note="SM90 fa3; dequantizes in shared memory before BF16 WGMMA"))

@@ -106,22 +106,26 @@ register(Backend("gather_cast.triton", "gather_cast", "triton", gather_cast_trit
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton gather_cast (batch pages) + Triton mla_decode on the compact table"))
 register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton, kv_dtypes=("fp8_e4m3",),
+                 kv_layouts=("fp8_per_tensor",),
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode_fp8: FP8 tiles widened in registers",
                  note="k_scale folded into the softmax scale, v_scale into the output"))
 register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_triton_q8, kv_dtypes=("fp8_e4m3",),
+                 kv_layouts=("fp8_per_tensor",), precision="fast",
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="fastest on the H200; ~6e-3 relative error against ~1.3e-3 with a 16-bit query"))
 register(Backend("fp8_native.triton_tma", "fp8_native", "triton_tma", fp8_native_triton_tma,
-                 kv_dtypes=("fp8_e4m3",), min_capability=TMA_SM, page_sizes=(64, 128), max_heads=TMA_MAX_HEADS,
+                 kv_dtypes=("fp8_e4m3",), kv_layouts=("fp8_per_tensor",), precision="fast",
+                 min_capability=TMA_SM, page_sizes=(64, 128), max_heads=TMA_MAX_HEADS,
                  runs_on_cpu=True, kernel="Triton mla_decode_fp8_tma: TMA ring, FP8 scores, V widened in registers",
                  note="tiles never straddle a page: page sizes 64 and 128; FP8 query as triton_q8"))
 register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon, kv_dtypes=("fp8_e4m3",),
+                 kv_layouts=("fp8_per_tensor",), precision="fast",
                  min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128), max_heads=GLUON_MAX_HEADS,
                  runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
                  note="V^T is a register operand (no 16-bit copy of V); p in e4m3: ~1e-2 relative error"))
-register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",),
+register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",), kv_layouts=("bf16",),
                  min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",
                  note="refuses FP8 KV like FlashInfer's static_assert(sizeof(DType) == 2)"))

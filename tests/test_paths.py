@@ -79,8 +79,10 @@ def test_registry_lookup_and_errors():
         backends.get("flash_fp4")
     rows = backends.capability_table()
     by = {r["backend"]: r for r in rows}
-    assert by["fp8_native.torch"]["kv_dtypes"] == "fp8_e4m3"
-    assert by["bf16_pool.torch"]["kv_dtypes"] == "bf16"
+    assert by["fp8_native.torch"]["kv_layouts"] == "fp8_per_tensor"
+    assert by["bf16_pool.torch"]["kv_layouts"] == "bf16"
+    assert by["fp8_native.triton_q8"]["precision"] == "fast"
+    assert by["full_pool_cast.torch"]["precision"] == "accurate"
 
 
 def test_too_many_heads_refused():

@@ -1,0 +1,64 @@
+"""backends.select: the measured order, the precision rule, the CPU order and clear refusals."""
+import json
+
+import pytest
+import torch
+
+from labkit import backends, kvpool, preferences
+
+
+def _case(layout="fp8_per_tensor", heads=4, lens=(40, 17)):
+    pool = kvpool.random_pool(1, 256, 16, kv_layout=layout)
+    batch = kvpool.batch_for_pool(pool, list(lens))
+    qn, _ = kvpool.make_queries(len(lens), heads)
+    return qn, pool, batch
+
+
+def test_cpu_prefers_torch_over_the_interpreter():
+    qn, pool, batch = _case()
+    for path in backends.PATHS:
+        on = kvpool.random_pool(1, 256, 16, kv_dtype="bf16") if path == "bf16_pool" else pool
+        assert backends.select(path, qn, on, batch).impl == "torch"
+
+
+def test_precision_rule_and_errors():
+    qn, pool, batch = _case()
+    with pytest.raises(ValueError, match=r"precision='exact'; allowed: \['fast', 'accurate'\]"):
+        backends.select("fp8_native", qn, pool, batch, precision="exact")
+    with pytest.raises(ValueError, match="path='fp4'; allowed"):
+        backends.select("fp4", qn, pool, batch)
+    assert all(backends.get(n).precision in backends.PRECISIONS for n in backends.names())
+
+
+def test_table_order_is_followed(tmp_path, monkeypatch):
+    table = dict(arch="sm_90", source="test", rows=[dict(
+        path="fp8_native", sparse=False, precision="fast", heads=[1, 16], batch=[1, 8],
+        order=["triton_q8", "torch"], median_us=[1.0, 2.0])])
+    (tmp_path / "sm_90.json").write_text(json.dumps(table))
+    assert preferences.order("fp8_native", "sm_90", 4, 2, False, "fast", tmp_path) == (("triton_q8", "torch"), "table")
+    # another band, and an unknown GPU: the stated fallback
+    assert preferences.order("fp8_native", "sm_90", 64, 2, False, "fast", tmp_path)[1] == "fallback"
+    assert preferences.order("fp8_native", "sm_120", 4, 2, False, "fast", tmp_path)[0] == preferences.FALLBACK["fp8_native"]
+    assert preferences.order("fp8_native", "cpu", 4, 2, False, "fast", tmp_path)[1] == "cpu"
+
+
+def test_from_records_ranks_by_time_and_skips_peers():
+    import pandas as pd
+
+    df = pd.DataFrame([
+        dict(path="fp8_native", impl="a", heads=16, batch=64, topk=0, precision="fast", graph_us=10.0),
+        dict(path="fp8_native", impl="b", heads=16, batch=64, topk=0, precision="accurate", graph_us=20.0),
+        dict(path="fp8_native", impl="flashinfer", heads=16, batch=64, topk=0, precision="accurate", graph_us=1.0),
+    ])
+    rows = {r["precision"]: r for r in preferences.from_records(df, "sm_90", "t")["rows"]}
+    assert rows["fast"]["order"] == ["a", "b"] and rows["accurate"]["order"] == ["b"]
+    assert rows["fast"]["heads"] == [1, 16] and rows["fast"]["batch"] == [9, 1 << 20]
+
+
+def test_plan_is_cached_and_runs_each_layer():
+    qn, pool, batch = _case()
+    b = backends.get("fp8_native.torch")
+    p1 = b.plan(pool, batch, qn.shape[1], 1 / 16)
+    assert b.plan(pool, batch, qn.shape[1], 1 / 16) is p1
+    _, qp = kvpool.make_queries(2, 4)
+    assert torch.equal(p1.run(qn, qp, 0), b.decode(qn, qp, pool, 0, batch, 1 / 16))
