@@ -33,7 +33,9 @@ class ModelConfig:
     v_head_dim: int
     hidden_size: int = 0
     q_lora_rank: int = 0
-    index_topk: int = 0
+    index_topk: int = 0  # DSA: token slots each request attends to per layer (0 = dense model)
+    index_n_heads: int = 0  # DSA lightning indexer: index heads (32 for GLM-5)
+    index_head_dim: int = 0  # ... and values per index head and per index key (128)
     first_k_dense_replace: int = 0
     hf_id: str | None = None
 
