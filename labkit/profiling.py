@@ -7,7 +7,8 @@ wall times of the top-level aten ops (CPU activity; Python overhead between ops 
 ``df.attrs["activity"]`` says which.
 
 How work is attributed (first rule that applies; see ``categorize``):
-1. an enclosing ``torch.profiler.record_function`` range named cast, gather, attention or merge;
+1. an enclosing ``torch.profiler.record_function`` range named cast, gather, attention or merge
+   (or, in a DSA step profiled with ``DSA_CATEGORIES``, index or topk);
 2. work launched by an aten op inside a Python function listed in ``SCOPES`` (e.g. every op of
    ``attend_16bit``, the fp32 widening of q and rows included, is attention). While profiling, a
    ``sys.setprofile`` hook wraps each call of those functions in a ``record_function`` range
@@ -33,6 +34,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from .results import atomic_write_with
 
 CATEGORIES = ("cast", "gather", "attention", "merge", "other")
+# a DSA step adds the lightning indexer in front: its logits ("index") and the top-k ("topk"), each
+# attributed by a record_function range of that name (labkit.dsa)
+DSA_CATEGORIES = ("index", "topk") + CATEGORIES
+RANGES = DSA_CATEGORIES[:-1]  # record_function names that set a category
 STEP_RANGE = "labkit.decode_step"
 SCOPE_PREFIX = "labkit.scope:"
 # Python functions whose whole body is one stage of the decode (labkit.torch_paths, labkit.reference,
@@ -63,7 +68,7 @@ def categorize(name: str, dtype: str | None = None, scopes=(), annotations=()) -
     both innermost first.
     """
     for a in annotations:
-        if a in CATEGORIES[:-1]:
+        if a in RANGES:
             return a
     if name.startswith("aten::"):
         for f in scopes:
@@ -111,7 +116,7 @@ class _ScopeRanges:
 
 # -- walking the profiler's event tree --------------------------------------------------------------
 def _is_note(e) -> bool:
-    return bool(getattr(e, "is_user_annotation", False) or e.name == STEP_RANGE or e.name in CATEGORIES
+    return bool(getattr(e, "is_user_annotation", False) or e.name == STEP_RANGE or e.name in RANGES
                 or e.name.startswith(SCOPE_PREFIX))
 
 
@@ -193,11 +198,11 @@ def _cuda_rows(events) -> list[tuple[str, float]]:
     return rows
 
 
-def _table(rows, activity: str) -> pd.DataFrame:
+def _table(rows, activity: str, categories=CATEGORIES) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=["category", "device_ms"])
-    g = df.groupby("category")["device_ms"].agg(["sum", "count"]).reindex(list(CATEGORIES), fill_value=0)
+    g = df.groupby("category")["device_ms"].agg(["sum", "count"]).reindex(list(categories), fill_value=0)
     total = float(g["sum"].sum())
-    out = pd.DataFrame({"category": list(CATEGORIES), "device_ms": g["sum"].astype(float).values,
+    out = pd.DataFrame({"category": list(categories), "device_ms": g["sum"].astype(float).values,
                         "calls": g["count"].astype(int).values})
     out["share"] = out.device_ms / total if total else 0.0
     out.loc[len(out)] = dict(category="total", device_ms=total, calls=int(out.calls.sum()), share=1.0)
@@ -213,14 +218,26 @@ def profile_decode_step(backend, q_nope, q_pe, pool, batch, sm_scale: float, lay
     calls) with rows cast, gather, attention, merge, other and total; ``device_ms`` sums the step.
     Writes the Chrome trace to ``trace_path`` when given (atomically)."""
     ids = range(pool.num_layers) if layers is None else range(layers) if isinstance(layers, int) else list(layers)
-    cuda = pool.device.type == "cuda"
+
+    def work():
+        for i in ids:
+            backend.decode(q_nope, q_pe, pool, i, batch, sm_scale)
+
+    df = profile_work(work, pool.device, trace_path=trace_path, warmup=warmup)
+    df.attrs.update(layers=len(ids), backend=getattr(backend, "name", str(backend)))
+    return df
+
+
+def profile_work(work, device, categories=CATEGORIES, trace_path=None, warmup: int = 1) -> pd.DataFrame:
+    """Profile one call of ``work()`` (a decode step of any kind) on ``device`` after ``warmup``
+    calls: the same table as ``profile_decode_step``, one row per name in ``categories`` and a total."""
+    cuda = torch.device(device).type == "cuda"
 
     def step():
         with record_function(STEP_RANGE):
-            for i in ids:
-                backend.decode(q_nope, q_pe, pool, i, batch, sm_scale)
+            work()
         if cuda:
-            torch.cuda.synchronize(pool.device)
+            torch.cuda.synchronize(device)
 
     for _ in range(warmup):
         step()
@@ -228,9 +245,8 @@ def profile_decode_step(backend, q_nope, q_pe, pool, batch, sm_scale: float, lay
     with profile(activities=acts, record_shapes=True) as prof, _ScopeRanges():
         step()
     events = prof.events()
-    df = _table(_cuda_rows(events) if cuda else _cpu_rows(events), "cuda" if cuda else "cpu")
+    df = _table(_cuda_rows(events) if cuda else _cpu_rows(events), "cuda" if cuda else "cpu", categories)
     if trace_path is not None:
         atomic_write_with(Path(trace_path), lambda tmp: prof.export_chrome_trace(str(tmp)))
-    df.attrs.update(layers=len(ids), backend=getattr(backend, "name", str(backend)),
-                    trace_path=str(trace_path) if trace_path else None)
+    df.attrs.update(trace_path=str(trace_path) if trace_path else None)
     return df
