@@ -5,8 +5,9 @@
 
 ``plan`` validates everything and touches no file, so a bad parameter leaves nothing behind.
 ``execute`` writes the executed notebooks, the records and figures the notebooks save, the
-resolved parameters (``params.json``) and the report as HTML. A notebook that fails stops the run;
-the folder is renamed ``<name>-failed`` and keeps the partial executed notebook.
+resolved parameters (``params.json``), the report as HTML and, last, ``finished.json``
+(``results.FINISHED``). A notebook that fails, or Ctrl-C, stops the run; the folder is renamed
+``<name>-failed`` and keeps the partial executed notebook, without ``finished.json``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from . import profiles
 from .config import DATA_DIR, resolve_device
 from .envinfo import device_tag
-from .results import new_run_dir
+from .results import ACTIVE_RUN_ENV, atomic_write_text, mark_finished, new_run_dir
 
 NOTEBOOKS_DIR = DATA_DIR.parent / "notebooks"
 RUNS_DIR = DATA_DIR / "runs"
@@ -38,6 +39,14 @@ class NotebookFailed(RuntimeError):
         self.notebook, self.cell, self.run_dir = notebook, cell, run_dir
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during ``execute``; ``run_dir`` is the folder, renamed ``<name>-failed``."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"interrupted; partial run kept in {run_dir}")
+        self.run_dir = run_dir
+
+
 @dataclass
 class Plan:
     notebooks: list  # [Path]
@@ -48,7 +57,12 @@ class Plan:
 
 
 def notebooks() -> list[Path]:
-    return sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    """The notebooks in the order they run: by number, the report last (it reads the others' records)."""
+    return _in_order(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def _in_order(paths) -> list[Path]:
+    return sorted(paths, key=lambda nb: (nb.stem == REPORT, nb.name))
 
 
 def select(names=()) -> list[Path]:
@@ -63,7 +77,7 @@ def select(names=()) -> list[Path]:
         if not hits:
             raise ValueError(f"notebook {name!r} is unknown; allowed: {[nb.stem.split('_')[0] for nb in every]}")
         chosen += [nb for nb in hits if nb not in chosen]
-    return sorted(chosen)
+    return _in_order(chosen)
 
 
 def plan(names=(), profile: str | None = None, overrides: dict | None = None) -> Plan:
@@ -83,13 +97,40 @@ def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=Non
     """Execute the planned notebooks into a new run folder; returns its path."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))  # sys.stderr looked up per call
     run_dir = new_run_dir(Path(base).resolve(), tag=p.device_tag)
-    (run_dir / "params.json").write_text(json.dumps(
-        dict(profile=p.profile, notebooks=[nb.stem for nb in p.notebooks], params=p.params, command=p.command),
-        indent=1))
+    ran = [nb.stem for nb in p.notebooks]
+    atomic_write_text(run_dir / "params.json", json.dumps(
+        dict(profile=p.profile, notebooks=ran, params=p.params, command=p.command), indent=1))
     log(f"run folder {run_dir} (profile {p.profile}); kernel messages go to kernels.log there")
-    with _stderr_to(run_dir / "kernels.log"), _inline_plots():
-        _execute_all(p, run_dir, progress, log)
+    try:
+        with _stderr_to(run_dir / "kernels.log"), _inline_plots(), _active(run_dir):
+            _execute_all(p, run_dir, progress, log)
+    except KeyboardInterrupt:
+        raise RunInterrupted(_failed(run_dir)) from None
+    mark_finished(run_dir, p.command or "labkit run", notebooks=ran, profile=p.profile)
     return run_dir
+
+
+def _failed(run_dir: Path) -> Path:
+    """Rename the folder of a run that stopped to ``<name>-failed`` (once); returns the new path."""
+    if run_dir.name.endswith("-failed") or not run_dir.exists():
+        return run_dir
+    failed = run_dir.with_name(run_dir.name + "-failed")
+    run_dir.rename(failed)
+    return failed
+
+
+@contextlib.contextmanager
+def _active(run_dir: Path):
+    """Kernels started inside see ``$LABKIT_ACTIVE_RUN``: the report reads its own run as running."""
+    saved = os.environ.get(ACTIVE_RUN_ENV)
+    os.environ[ACTIVE_RUN_ENV] = str(run_dir)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ACTIVE_RUN_ENV, None)
+        else:
+            os.environ[ACTIVE_RUN_ENV] = saved
 
 
 @contextlib.contextmanager
@@ -135,12 +176,14 @@ def _execute_all(p: Plan, run_dir: Path, progress: bool, log) -> None:
             pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name="python3",
                                 progress_bar=progress, cwd=str(nb.parent))
         except pm.PapermillExecutionError as e:
-            failed = run_dir.with_name(run_dir.name + "-failed")
-            run_dir.rename(failed)
+            if e.ename == "KeyboardInterrupt":  # Ctrl-C reached the kernel first
+                raise KeyboardInterrupt from None
             raise NotebookFailed(nb.name, e.cell_index + 1, e.exec_count, e.source, f"{e.ename}: {e.evalue}",
-                                 failed) from None
+                                 _failed(run_dir)) from None
+        except KeyboardInterrupt:
+            raise
         except BaseException:
-            run_dir.rename(run_dir.with_name(run_dir.name + "-failed"))
+            _failed(run_dir)
             raise
         log(f"      {nb.stem} done in {time.perf_counter() - t0:.1f} s")
         if nb.stem == REPORT:
@@ -155,8 +198,25 @@ def export_html(notebook: Path) -> Path:
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True
+    body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
+                           extra_template_basedirs=[str(d) for d in template_dirs()]
                            ).from_notebook_node(nbformat.read(notebook, as_version=4))
-    html = notebook.with_suffix(".html")
-    html.write_text(body, encoding="utf-8")
-    return html
+    return atomic_write_text(notebook.with_suffix(".html"), body)
+
+
+def template_dirs(package_file: str | None = None) -> list[Path]:
+    """nbconvert's template folders (``.../share/jupyter/nbconvert/templates``) installed next to the
+    nbconvert package at ``package_file`` (default: the one imported). ``pip install --target SITE``
+    puts them in ``SITE/share/jupyter``, which is not on Jupyter's data path (JUPYTER_PATH); a
+    prefix install puts them in ``PREFIX/share/jupyter`` beside ``PREFIX/lib/pythonX.Y/site-packages``."""
+    if package_file is None:
+        import nbconvert
+
+        package_file = nbconvert.__file__
+    site = Path(package_file).resolve().parent.parent  # the folder that holds the nbconvert package
+    found = []
+    for root in (site, *site.parents[:3]):
+        templates = root / "share" / "jupyter" / "nbconvert" / "templates"
+        if (templates / "lab").is_dir() and templates not in found:
+            found.append(templates)
+    return found
