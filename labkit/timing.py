@@ -7,6 +7,8 @@ are marked ``device="cpu"`` and only show shapes and trends, never GPU speed.
 
     t = bench(lambda: backend.decode(q_nope, q_pe, pool, 0, batch, sm_scale))
     t.median_ms, t.p20_ms, t.p80_ms, t.us
+    graph_times(lambda layer: plan.run(q_nope, q_pe, layer), layers=4).us   # CUDA graph, rotating layers
+    host_us(lambda layer: plan.run(q_nope, q_pe, layer), layers=4)          # eager wall time per call
 """
 from __future__ import annotations
 
@@ -129,3 +131,59 @@ def bench(fn, *, warmup_ms: float = 25, rep_ms: float = 100, flush_l2: bool = Tr
             return summarize(do_bench_cudagraph(fn, rep=rep_ms, return_mode="all"), "cuda", "cuda-graph")
         sampler = _do_bench_times if flush_l2 else _event_times
         return summarize(sampler(fn, warmup_ms, rep_ms, min_reps), "cuda", "cuda-events")
+
+
+def host_us(fn, layers: int = 1, calls: int = 50, repeats: int = 5, warmup: int = 3, device=None) -> float:
+    """Wall microseconds per eager call of ``fn(layer)``: loops of ``calls`` calls rotating over
+    ``layers``, one synchronize at the end of each loop, median over ``repeats`` loops.
+
+    At one request the GPU finishes each call long before the host issues the next, so this is
+    the host's cost per call (Python, checks, allocations, launches), what a server pays per layer
+    without CUDA graphs. ``warmup`` loops first (compilation, plans)."""
+    if calls < 1 or repeats < 1 or layers < 1:
+        raise ValueError(f"calls={calls}, repeats={repeats}, layers={layers}: each must be >= 1")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    per_call = []
+    for r in range(warmup + repeats):
+        sync()
+        t0 = _clock()
+        for i in range(calls):
+            fn(i % layers)
+        sync()
+        if r >= warmup:
+            per_call.append((_clock() - t0) / calls * 1e6)
+    return quantile(per_call, 0.5)
+
+
+def graph_times(fn, layers: int = 1, replays: int = 20, device=None) -> Timing:
+    """CUDA-graph timing of ``fn(layer)``: one graph holds ``fn(0) .. fn(layers - 1)`` (rotating
+    layers: a layer's KV is not in L2 when its call comes), each replay is timed by events and
+    divided by ``layers``; median and percentiles per call, no host work in the figure.
+
+    ``fn`` must be capturable (no host sync, no host -> device copy); it runs eagerly on a side
+    stream first, so that compilation, plans and their scratch happen outside the capture."""
+    dev = torch.device(device or "cuda")
+    if dev.type != "cuda":
+        raise ValueError(f"graph_times needs a CUDA device, got device={dev}")
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(layers):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(layers):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return summarize([s.elapsed_time(e) / layers for s, e in events], "cuda", "cuda-graph")

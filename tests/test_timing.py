@@ -100,3 +100,35 @@ def test_cuda_slow_call_gets_min_reps():
     torch.cuda._sleep(int(2e8))  # load the sleep kernel before timing
     t = bench(lambda: torch.cuda._sleep(int(2e8)), warmup_ms=1, rep_ms=1, min_reps=3)
     assert t.n >= 3
+
+
+def test_host_us_is_wall_time_per_call_over_rotating_layers(monkeypatch):
+    # 2 warm-up loops then 3 timed loops of 4 calls; loop r costs (r + 1) ms per call
+    seen = []
+
+    class Clock:
+        now = 0.0
+
+    def fn(layer):
+        seen.append(layer)
+        Clock.now += (len(seen) - 1) // 4 + 1
+
+    monkeypatch.setattr(timing, "_clock", lambda: Clock.now / 1e3)
+    us = timing.host_us(fn, layers=3, calls=4, repeats=3, warmup=2, device="cpu")
+    assert seen[:4] == [0, 1, 2, 0] and len(seen) == 20
+    assert us == pytest.approx(4000.0)  # timed loops cost 3, 4, 5 ms a call: median 4 ms
+    with pytest.raises(ValueError, match="calls=0"):
+        timing.host_us(fn, calls=0, device="cpu")
+
+
+def test_graph_times_refuses_the_cpu():
+    with pytest.raises(ValueError, match="graph_times needs a CUDA device"):
+        timing.graph_times(lambda layer: None, device="cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_times_per_call_over_layers():
+    x = torch.randn(1 << 22, device="cuda")
+    t = timing.graph_times(lambda layer: x.mul_(1.0), layers=4, replays=5)
+    assert t.method == "cuda-graph" and t.n == 5 and 0 < t.median_ms < 10
