@@ -1,0 +1,127 @@
+"""DSA lightning-indexer logits over a paged FP8 index-key cache, one Triton kernel.
+
+For request b and each position p < kv_lens[b] of its context (token t = global id of p):
+
+    logit[b, p] = k_scale[t] * sum_h weights[b, h] * relu(q_idx[b, h] . k_idx[t])
+
+``weights`` already carries the query's FP8 scale (relu(s x) = s relu(x) for s > 0), so the dot
+products are FP8 x FP8 with fp32 accumulation. Positions map to tokens through the KV page table
+(t = kv_indices[kv_indptr[b] + p // page_size] * page_size + p % page_size), and tokens to index
+keys through 64-token index pages: page t // 64, row t % 64, the page being a 64 x D FP8 block
+followed by 64 fp32 scales. A program scores BLOCK_T positions of one request for all heads with
+one FP8 ``tl.dot`` (tokens as M, heads as N); positions past a request's length get -inf.
+
+Bytes moved per context token: D + 4 read (132 for D = 128), 4 B of page table per page_size
+tokens, 4 written; q and weights once per program. FLOPs: 2 * H * D per token (+ 3 * H for the
+relu and the weighting).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INDEX_PAGE = 64  # tokens per index-key page
+
+
+@triton.jit
+def _index_logits_kernel(
+    q_ptr,  # *fp8e4nv [B, H_PAD, D], contiguous; heads >= H are zero
+    w_ptr,  # *f32 [B, H_PAD], contiguous; heads >= H are zero
+    k_ptr,  # *fp8e4nv index keys: page stride stride_kp, row stride D, values contiguous
+    s_ptr,  # *f32 index-key scales: page stride stride_sp, rows contiguous
+    indptr_ptr,  # *i32 [B + 1]
+    indices_ptr,  # *i32 [nnz] KV page ids
+    lens_ptr,  # *i32 [B]
+    out_ptr,  # *f32 [B, max_len]
+    max_len,
+    stride_kp,  # elements (bytes) between index pages in k_ptr
+    stride_sp,  # fp32 elements between index pages in s_ptr
+    PAGE: tl.constexpr,  # KV page size
+    IPAGE: tl.constexpr,  # index page size (64)
+    D: tl.constexpr,
+    H_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid_t, b = tl.program_id(0), tl.program_id(1)
+    n = tl.load(lens_ptr + b)
+    start = tl.load(indptr_ptr + b)
+    pos = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
+    live = pos < n
+    pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
+    page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
+    tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
+    ip, row = tok // IPAGE, tok % IPAGE
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + d[None, :])  # [BLOCK_T, D] fp8
+    scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
+    h = tl.arange(0, H_PAD)
+    q_t = tl.load(q_ptr + b * H_PAD * D + h[None, :] * D + d[:, None])  # [D, H_PAD] fp8
+    w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
+    s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
+    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+    logit = tl.where(live, logit, float("-inf"))
+    tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
+
+
+def _check(name, t, dtype, dims):
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
+
+
+def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, page_size: int,
+                 max_len: int, *, block_t: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Indexer logits of a decode batch, read straight from the paged FP8 index cache.
+
+    Parameters
+    ----------
+    q_idx : [B, H, D] torch.float8_e4m3fn, the quantized index query (its scale is in ``weights``).
+    weights : [B, H] torch.float32, head weights times the query's scale.
+    k_idx : [num_index_pages, 64, D] torch.float8_e4m3fn, rows contiguous (any page stride: a
+        view into the packed 64 * (D + 4)-byte pages).
+    k_scale : [num_index_pages, 64] torch.float32, rows contiguous (any page stride).
+    kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 KV page ids; kv_lens : [B] int32.
+    page_size : KV page size (a power of two); max_len : max(kv_lens), known on the host.
+    block_t, num_warps : tuning (positions per program, a power of two >= 16; warps).
+
+    Returns
+    -------
+    logits : [B, max_len] torch.float32, -inf at positions >= kv_lens[b].
+    """
+    _check("q_idx", q_idx, torch.float8_e4m3fn, 3)
+    _check("weights", weights, torch.float32, 2)
+    _check("k_idx", k_idx, torch.float8_e4m3fn, 3)
+    _check("k_scale", k_scale, torch.float32, 2)
+    B, H, D = q_idx.shape
+    if tuple(weights.shape) != (B, H):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected (B, H) = {(B, H)}")
+    if k_idx.shape[1:] != (INDEX_PAGE, D) or k_idx.stride()[1:] != (D, 1):
+        raise ValueError(f"k_idx must be [num_index_pages, {INDEX_PAGE}, {D}] with contiguous rows, got "
+                         f"{tuple(k_idx.shape)} strides {k_idx.stride()}")
+    if tuple(k_scale.shape) != (k_idx.shape[0], INDEX_PAGE) or k_scale.stride(1) != 1:
+        raise ValueError(f"k_scale must be [{k_idx.shape[0]}, {INDEX_PAGE}] with contiguous rows")
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"q_idx: head dim {D} must be a power of two >= 16")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size}: must be a power of two")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t={block_t}: must be a power of two >= 16")
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
+        _check(name, t, torch.int32, 1)
+    h_pad = max(16, triton.next_power_of_2(H))  # tl.dot needs N >= 16
+    q = torch.zeros(B, h_pad, D, dtype=torch.uint8, device=q_idx.device)  # zero bytes = +0.0 in e4m3
+    q[:, :H] = q_idx.view(torch.uint8)
+    w = torch.zeros(B, h_pad, dtype=torch.float32, device=q_idx.device)
+    w[:, :H] = weights
+    out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
+    if B == 0 or max_len == 0:
+        return out
+    grid = (triton.cdiv(max_len, block_t), B)
+    _index_logits_kernel[grid](
+        q.view(torch.float8_e4m3fn), w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
+        k_idx.stride(0), k_scale.stride(0),
+        PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,313 @@
+"""The DSA lightning indexer of GLM-5: per layer, score every context token, keep the top-k.
+
+For request b (one decode query) and each token t of its context, per layer:
+
+    logit[b, t] = k_scale[t] * sum_h weights[b, h] * relu(q_idx[b, h] . k_idx[t])
+
+with ``index_n_heads`` (32) heads of ``index_head_dim`` (128) values; MLA then attends only to
+the ``index_topk`` (2048) best tokens: all of them when the context is shorter, -1 padding after.
+
+Index-key cache, per layer: every token of the KV pool (global id t = page_id * page_size + slot,
+the rows of ``KVPool.rows``) has one key of D FP8 e4m3 values and one fp32 scale (real = e4m3 *
+scale, scale = amax / 448 per token): 132 B for D = 128. Keys live in index pages of 64 tokens,
+whatever the KV page size: token t is row t % 64 of index page t // 64, a page being the 64 x D
+FP8 block followed by the 64 scales (8448 B), not interleaved:
+
+    IndexCache.buffer  uint8 [num_layers, num_index_pages, 64 * (D + 4)]
+    .k_idx(layer)      float8_e4m3fn [num_index_pages, 64, D]   (views of the same bytes)
+    .k_scale(layer)    float32 [num_index_pages, 64]
+
+The query q_idx [B, H, D] is quantized to FP8 with one scale per request, and that scale is
+folded into the head weights (relu(s x) = s relu(x) for s > 0), as DeepSeek-V3.2's reference
+indexer does. Three implementations of the logits: "reference" (float64 on the same FP8 values),
+"torch" (keys widened, einsum, relu, weighted sum) and "triton" (labkit.kernels.index_logits,
+reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
+``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .kvlayout import E4M3_MAX
+from .kvpool import DecodeBatch, KVPool
+
+INDEX_PAGE = 64  # tokens per index-key page
+IMPLS = ("reference", "torch", "triton")
+
+
+def index_page_bytes(head_dim: int = 128) -> int:
+    """Bytes of one index page: 64 x head_dim FP8 values + 64 fp32 scales (8448 for 128)."""
+    return INDEX_PAGE * (head_dim + 4)
+
+
+def index_bytes(context_tokens: int, head_dim: int = 128) -> int:
+    """Bytes one layer of the indexer must read for ``context_tokens`` (summed over requests):
+    head_dim + 4 per token (132), the key and its scale. Logits, q and weights are not counted."""
+    return context_tokens * (head_dim + 4)
+
+
+def index_flops(context_tokens: int, n_heads: int = 32, head_dim: int = 128) -> int:
+    """FLOPs of one layer of the indexer's dot products: 2 * n_heads * head_dim per token."""
+    return 2 * n_heads * head_dim * context_tokens
+
+
+# -- quantization ------------------------------------------------------------------------------
+def quantize_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] real -> (k_idx [..., D] float8_e4m3fn, k_scale [...] float32), scale = amax / 448
+    per token, real ~= k_idx * k_scale."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
+    q = (x.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_index_query(q_idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_idx [..., B, H, D] real, weights [..., B, H] -> (q_idx [..., B, H, D] float8_e4m3fn,
+    weights [..., B, H] float32 times the query's scale): one scale per request (amax / 448)."""
+    scale = q_idx.float().abs().amax((-2, -1)).clamp_min(1e-12) / E4M3_MAX  # [..., B]
+    q8 = (q_idx.float() / scale[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q8, weights.float() * scale[..., None]
+
+
+# -- the cache ---------------------------------------------------------------------------------
+@dataclass
+class IndexCache:
+    """Index keys of every layer: buffer uint8 [num_layers, num_index_pages, 64 * (head_dim + 4)]."""
+
+    buffer: torch.Tensor
+    head_dim: int = 128
+
+    def __post_init__(self):
+        if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 3:
+            raise ValueError(f"buffer must be uint8 [num_layers, num_index_pages, page_bytes], got "
+                             f"{self.buffer.dtype} {tuple(self.buffer.shape)}")
+        if self.buffer.shape[2] != index_page_bytes(self.head_dim):
+            raise ValueError(f"buffer pages hold {self.buffer.shape[2]} B; head_dim={self.head_dim} "
+                             f"needs {index_page_bytes(self.head_dim)}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.buffer.shape[0]
+
+    @property
+    def num_index_pages(self) -> int:
+        return self.buffer.shape[1]
+
+    @property
+    def tokens(self) -> int:
+        return self.num_index_pages * INDEX_PAGE
+
+    def k_idx(self, layer: int) -> torch.Tensor:
+        """[num_index_pages, 64, head_dim] float8_e4m3fn, a view (page stride = page bytes)."""
+        block = self.buffer[layer, :, : INDEX_PAGE * self.head_dim]
+        return block.view(torch.float8_e4m3fn).unflatten(-1, (INDEX_PAGE, self.head_dim))
+
+    def k_scale(self, layer: int) -> torch.Tensor:
+        """[num_index_pages, 64] float32, a view."""
+        return self.buffer[layer, :, INDEX_PAGE * self.head_dim :].view(torch.float32)
+
+    def keys(self, layer: int, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids [...] int (>= 0) -> (k_idx [..., head_dim] float8_e4m3fn, k_scale [...] float32)."""
+        t = token_ids.long()
+        ip, row = t // INDEX_PAGE, t % INDEX_PAGE
+        return self.k_idx(layer)[ip, row], self.k_scale(layer)[ip, row]
+
+
+def random_index_cache(pool: KVPool, head_dim: int = 128, seed: int = 0) -> IndexCache:
+    """Random index keys for every layer and token of ``pool`` (seeded), quantized per token."""
+    n_pages = -(-pool.pool_tokens // INDEX_PAGE)
+    buf = torch.empty(pool.num_layers, n_pages, index_page_bytes(head_dim), dtype=torch.uint8,
+                      device=pool.device)
+    cache = IndexCache(buf, head_dim)
+    gen = torch.Generator(device=pool.device).manual_seed(seed + 104729)
+    for layer in range(pool.num_layers):
+        x = torch.randn(n_pages, INDEX_PAGE, head_dim, generator=gen, device=pool.device)
+        k8, scale = quantize_index_keys(x * (0.5 + 0.25 * (layer % 4)))
+        cache.k_idx(layer).copy_(k8)
+        cache.k_scale(layer).copy_(scale)
+    return cache
+
+
+# -- logits --------------------------------------------------------------------------------------
+def token_ids(batch: DecodeBatch, positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, N] int (context positions of each request, any value) -> [B, N] int64 global
+    token ids, -1 where the position is < 0 or >= kv_lens[b]."""
+    ps = batch.page_size
+    pos = positions.long()
+    valid = (pos >= 0) & (pos < batch.kv_lens.long()[:, None])
+    entry = (batch.kv_indptr[:-1].long()[:, None] + pos.clamp_min(0) // ps).clamp_max(batch.num_pages - 1)
+    ids = batch.kv_indices.long()[entry] * ps + pos.clamp_min(0) % ps
+    return torch.where(valid, ids, torch.full_like(ids, -1))
+
+
+def _context_ids(batch: DecodeBatch) -> torch.Tensor:
+    pos = torch.arange(batch.max_len, device=batch.kv_lens.device).expand(batch.batch_size, -1)
+    return token_ids(batch, pos)  # [B, max_len]
+
+
+def logits_reference(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    """The oracle: float64 math, one request at a time, on the stored FP8 values.
+    q_idx [B, H, D] float8_e4m3fn, weights [B, H] float32 -> [B, max_len] float64, -inf past each length."""
+    out = torch.full((batch.batch_size, batch.max_len), float("-inf"), dtype=torch.float64,
+                     device=q_idx.device)
+    ids = _context_ids(batch)
+    for b, n in enumerate(batch.lens_host):
+        k, scale = cache.keys(layer, ids[b, :n])  # [n, D], [n]
+        s = torch.relu(q_idx[b].double() @ k.double().T)  # [H, n]
+        out[b, :n] = scale.double() * (weights[b].double() @ s)
+    return out
+
+
+def logits_torch(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    """Batched torch: gather the keys, widen to fp32, einsum, relu, weighted sum over heads.
+    Same shapes as ``logits_reference``; returns float32."""
+    ids = _context_ids(batch)
+    k, scale = cache.keys(layer, ids.clamp_min(0))  # [B, T, D] fp8, [B, T]
+    s = torch.relu(torch.einsum("bhd,btd->bht", q_idx.float(), k.float()))
+    out = torch.einsum("bh,bht->bt", weights.float(), s) * scale
+    return out.masked_fill(ids < 0, float("-inf"))
+
+
+def logits_triton(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, **tuning) -> torch.Tensor:
+    """The Triton kernel (labkit.kernels.index_logits) on the paged cache; float32 [B, max_len]."""
+    from .kernels.index_logits import index_logits
+
+    return index_logits(q_idx, weights, cache.k_idx(layer), cache.k_scale(layer), batch.kv_indptr,
+                        batch.kv_indices, batch.kv_lens, batch.page_size, batch.max_len, **tuning)
+
+
+LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits_triton}
+
+
+# -- top-k slots ---------------------------------------------------------------------------------
+def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True) -> torch.Tensor:
+    """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
+    of each request's best tokens (``torch.topk``, unsorted); a request with kv_lens[b] <= index_topk
+    gets all its tokens in context order, then -1."""
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    B, T = logits.shape
+    pos = torch.arange(index_topk, device=logits.device).expand(B, -1)
+    if T > index_topk:
+        short = batch.kv_lens.to(logits.device)[:, None] <= index_topk
+        pos = torch.where(short, pos, torch.topk(logits, index_topk, dim=1, sorted=False).indices)
+    slots = token_ids(batch, pos).to(torch.int32)
+    if check:
+        check_slots(batch, slots)
+    return slots
+
+
+def _at(mask: torch.Tensor, token_indices: torch.Tensor) -> str:
+    """The first True position of ``mask`` [L, B, K] as an index of token_indices, and its value."""
+    l, b, j = (int(i) for i in mask.nonzero()[0])
+    where = f"[{b}, {j}]" if token_indices.dim() == 2 else f"[{l}, {b}, {j}]"
+    return f"token_indices{where} = {int(token_indices.reshape(mask.shape)[l, b, j])} (request {b})"
+
+
+def check_slots(batch: DecodeBatch, token_indices: torch.Tensor, pool_tokens: int | None = None) -> None:
+    """Raise ValueError unless ``token_indices`` (int32 [B, topk] or [num_layers, B, topk]) holds, per
+    request, distinct global ids of tokens inside its own pages and context, -1 only as a suffix."""
+    t = token_indices
+    if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.dtype != torch.int32:
+        raise ValueError(f"token_indices must be int32 [B, topk] or [num_layers, B, topk], got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.shape[-2] != batch.batch_size:
+        raise ValueError(f"token_indices has {t.shape[-2]} requests; the batch has {batch.batch_size}")
+    s = t.reshape(-1, *t.shape[-2:]).long()  # [L, B, K]
+    if (s < -1).any():
+        raise ValueError(f"{_at(s < -1, t)}: ids are >= 0, or -1 for an unused slot")
+    if pool_tokens is not None and (s >= pool_tokens).any():
+        raise ValueError(f"{_at(s >= pool_tokens, t)}: past the pool's {pool_tokens} tokens")
+    unused = s < 0
+    gap = torch.zeros_like(unused)
+    gap[..., 1:] = unused[..., :-1] & ~unused[..., 1:]
+    if gap.any():
+        raise ValueError(f"{_at(gap, t)} follows a -1: unused slots (-1) must come last")
+    _check_owned(batch, s, t)
+    srt = s.sort(-1).values
+    dup = torch.zeros_like(unused)
+    dup[..., 1:] = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    if dup.any():
+        l, b, j = (int(i) for i in dup.nonzero()[0])
+        raise ValueError(f"token_indices: request {b}{f' (layer {l})' if t.dim() == 3 else ''} "
+                         f"lists token {int(srt[l, b, j])} twice")
+
+
+def _check_owned(batch: DecodeBatch, s: torch.Tensor, t: torch.Tensor) -> None:
+    """Every id >= 0 of s [L, B, K] lies in request b's pages at a position < kv_lens[b]."""
+    ps, dev = batch.page_size, s.device
+    indices, indptr = batch.kv_indices.to(dev).long(), batch.kv_indptr.to(dev).long()
+    req = torch.repeat_interleave(torch.arange(batch.batch_size, device=dev), indptr[1:] - indptr[:-1])
+    page = s.clamp_min(0) // ps
+    span = int(torch.maximum(indices.max(), page.max())) + 1
+    keys, order = (req * span + indices).sort()  # one key per (request, page) the batch lists
+    b = torch.arange(batch.batch_size, device=dev)[None, :, None]
+    want = b * span + page
+    i = torch.searchsorted(keys, want).clamp_max(keys.numel() - 1)
+    used = s >= 0
+    foreign = used & (keys[i] != want)
+    if foreign.any():
+        raise ValueError(f"{_at(foreign, t)}: its page is not one of the request's pages")
+    pos = (order[i] - indptr[b]) * ps + s.clamp_min(0) % ps  # position in the request's context
+    late = used & (pos >= batch.kv_lens.to(dev).long()[None, :, None])
+    if late.any():
+        raise ValueError(f"{_at(late, t)}: past the request's context length")
+
+
+# -- the object the notebooks use --------------------------------------------------------------
+class Indexer:
+    """The indexer of every layer for one decode batch: index caches, queries and head weights.
+
+    cfg gives index_n_heads H, index_head_dim D and index_topk; the cache covers every token of
+    ``pool`` (any KV page size); queries and weights are random (seeded), drawn per layer:
+    q_idx [num_layers, B, H, D] float8_e4m3fn, weights [num_layers, B, H] float32 (q scale folded in).
+    """
+
+    def __init__(self, cfg: ModelConfig, pool: KVPool, batch: DecodeBatch, seed: int = 0,
+                 index_topk: int | None = None, cache: IndexCache | None = None):
+        H, D = cfg.index_n_heads, cfg.index_head_dim
+        if H < 1 or D < 1 or cfg.index_topk < 1:
+            raise ValueError(f"model {cfg.name!r} has no DSA indexer (index_n_heads={H}, "
+                             f"index_head_dim={D}, index_topk={cfg.index_topk})")
+        self.cfg, self.pool, self.batch = cfg, pool, batch
+        self.index_topk = cfg.index_topk if index_topk is None else index_topk
+        self.cache = cache if cache is not None else random_index_cache(pool, D, seed)
+        if self.cache.tokens < pool.pool_tokens or self.cache.num_layers != pool.num_layers:
+            raise ValueError(f"cache covers {self.cache.num_layers} layers x {self.cache.tokens} tokens; "
+                             f"the pool has {pool.num_layers} x {pool.pool_tokens}")
+        gen = torch.Generator(device=pool.device).manual_seed(seed + 15485863)
+        shape = (pool.num_layers, batch.batch_size, H)
+        q = torch.randn(*shape, D, generator=gen, device=pool.device)
+        w = torch.randn(*shape, generator=gen, device=pool.device) * (H * D) ** -0.5
+        self.q_idx, self.weights = quantize_index_query(q, w)
+
+    @property
+    def num_layers(self) -> int:
+        return self.pool.num_layers
+
+    def logits(self, layer: int, impl: str = "torch") -> torch.Tensor:
+        """[B, max_len] logits of ``layer`` (float64 for "reference", else float32), -inf past lengths."""
+        if impl not in LOGITS:
+            raise ValueError(f"impl={impl!r}; allowed: {list(LOGITS)}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer}; allowed 0..{self.num_layers - 1}")
+        return LOGITS[impl](self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
+
+    def topk(self, layer: int, impl: str = "torch", check: bool = True) -> torch.Tensor:
+        """int32 [B, index_topk] slots of ``layer``."""
+        return select_tokens(self.logits(layer, impl), self.batch, self.index_topk, check)
+
+    def step_slots(self, impl: str = "torch", check: bool = True) -> torch.Tensor:
+        """int32 [num_layers, B, index_topk]: one decode step's slots, for DecodeBatch(token_indices=...)."""
+        return torch.stack([self.topk(layer, impl, check) for layer in range(self.num_layers)])
+
+    def sparse_batch(self, impl: str = "torch") -> DecodeBatch:
+        """The batch with this step's per-layer slots."""
+        return self.batch.with_slots(self.step_slots(impl))
+
+    def cost(self) -> dict:
+        """Bytes read and FLOPs of one layer's indexer over this batch."""
+        n, H, D = self.batch.num_tokens, self.cfg.index_n_heads, self.cfg.index_head_dim
+        return {"bytes": index_bytes(n, D), "flops": index_flops(n, H, D)}
