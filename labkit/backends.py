@@ -244,12 +244,15 @@ def _load_optional() -> None:
                 UNAVAILABLE[mod.rsplit(".", 1)[-1]] = f"import failed: {e}"
 
 
+ALL_LAYOUTS = ("fp8_per_tensor", "fp8_ds_mla", "bf16")
 register(Backend("full_pool_cast.torch", "full_pool_cast", "torch", torch_paths.full_pool_cast,
+                 kv_layouts=ALL_LAYOUTS, sparse=True,
                  kernel="torch .to() + torch attention", note="casts the whole layer each call"))
 register(Backend("gather_cast.torch", "gather_cast", "torch", torch_paths.gather_cast,
+                 kv_layouts=ALL_LAYOUTS, sparse=True,
                  kernel="torch index + .to() + torch attention"))
 register(Backend("fp8_native.torch", "fp8_native", "torch", torch_paths.fp8_native, kv_dtypes=("fp8_e4m3",),
-                 kv_layouts=("fp8_per_tensor",), kernel="torch tiles, fp32 widen per tile"))
+                 kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), sparse=True, kernel="torch tiles, fp32 widen per tile"))
 register(Backend("bf16_pool.torch", "bf16_pool", "torch",
                  lambda qn, qp, pool, layer, batch, s: torch_paths.attend_16bit(qn, qp, pool.layer(layer), batch, s),
-                 kv_dtypes=("bf16",), kv_layouts=("bf16",), kernel="torch attention, 16-bit KV only"))
+                 kv_dtypes=("bf16",), kv_layouts=("bf16",), sparse=True, kernel="torch attention, 16-bit KV only"))

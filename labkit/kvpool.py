@@ -188,8 +188,15 @@ class DecodeBatch:
 
     @property
     def num_tokens(self) -> int:
-        """L: tokens the batch reads (per layer)."""
+        """Tokens in the requests' contexts (per layer); what a dense batch reads."""
         return sum(self.lens_host)
+
+    @property
+    def tokens_read(self) -> int:
+        """L: tokens attention reads per layer: the contexts when dense; for a sparse batch the valid
+        slots, topk per request or the whole context when shorter (from the host lengths: no sync)."""
+        k = self.topk
+        return sum(min(n, k) for n in self.lens_host) if k else sum(self.lens_host)
 
     @property
     def num_pages(self) -> int:
@@ -254,6 +261,50 @@ def make_batch(num_pages: int, page_size: int, context_lens, seed: int = 0, devi
 
 def batch_for_pool(pool: KVPool, context_lens, seed: int = 0) -> DecodeBatch:
     return make_batch(pool.num_pages, pool.page_size, context_lens, seed, pool.device)
+
+
+def _context_tokens(pages: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """Global token ids [n] int64 of a context of ``n`` tokens on ``pages`` (its page ids, host)."""
+    pages = pages[: -(-n // page_size)].long()
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+
+
+def random_slots(batch: DecodeBatch, topk: int, seed: int = 0, num_layers: int | None = None) -> torch.Tensor:
+    """Random top-k token slots, the shape an indexer gives: int32 [B, topk], or
+    [num_layers, B, topk] when ``num_layers`` is given (an independent draw per layer).
+
+    Each request gets ``topk`` distinct token ids drawn from its own context (global rows of
+    ``KVPool.rows``: page_id * page_size + slot), unsorted; a context shorter than ``topk`` gives all
+    its tokens (shuffled) and then -1 padding at the end. On the batch's device.
+    """
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk={topk!r}: must be a positive integer")
+    if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
+        raise ValueError(f"num_layers={num_layers!r}: must be a positive integer or None")
+    gen = torch.Generator().manual_seed(seed)
+    indices, start = batch.kv_indices.cpu(), batch.kv_indptr.tolist()
+    ctx = [_context_tokens(indices[start[b]:], n, batch.page_size) for b, n in enumerate(batch.lens_host)]
+    out = torch.full((num_layers or 1, batch.batch_size, topk), -1, dtype=torch.int32)
+    for layer in range(out.shape[0]):
+        for b, toks in enumerate(ctx):
+            pick = torch.randperm(toks.numel(), generator=gen)[:topk]
+            out[layer, b, : pick.numel()] = toks[pick].to(torch.int32)
+    out = out.to(batch.kv_indices.device)
+    return out if num_layers is not None else out[0]
+
+
+def make_sparse_batch(num_pages: int, page_size: int, context_lens, topk: int, seed: int = 0, device="cpu",
+                      num_layers: int | None = None) -> DecodeBatch:
+    """``make_batch`` plus random top-k slots (``random_slots``): [B, topk], or per layer
+    [num_layers, B, topk] when ``num_layers`` is given."""
+    batch = make_batch(num_pages, page_size, context_lens, seed, device)
+    return batch.with_slots(random_slots(batch, topk, seed + 1, num_layers))
+
+
+def sparse_batch_for_pool(pool: KVPool, context_lens, topk: int, seed: int = 0, per_layer: bool = False) -> DecodeBatch:
+    """A sparse batch on ``pool``: the same slots in every layer, or with ``per_layer`` one draw per layer."""
+    return make_sparse_batch(pool.num_pages, pool.page_size, context_lens, topk, seed, pool.device,
+                             pool.num_layers if per_layer else None)
 
 
 def make_queries(batch_size: int, num_heads: int, kv_lora_rank=512, qk_rope_head_dim=64,

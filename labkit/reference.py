@@ -10,7 +10,16 @@ from .kvpool import DecodeBatch
 
 
 def request_rows(kv: torch.Tensor, batch: DecodeBatch, b: int) -> torch.Tensor:
-    """The context of request ``b`` as rows: [kv_lens[b], kv_dim], from kv [num_pages, page_size, kv_dim]."""
+    """The rows request ``b`` attends to, from kv [num_pages, page_size, kv_dim]: its context
+    [kv_lens[b], kv_dim] when dense; when ``batch.token_indices`` is [B, topk] the rows of its valid
+    slots [n_valid, kv_dim] (token id t is row t of kv.flatten(0, 1); -1 skipped)."""
+    t = batch.token_indices
+    if t is not None:
+        if t.dim() != 2:
+            raise ValueError(f"token_indices has shape {tuple(t.shape)}; the oracle takes one layer's "
+                             f"[B, topk]: pass batch.with_slots(batch.slots(layer))")
+        slots = t[b].long()
+        return kv.flatten(0, 1)[slots[slots >= 0]]
     rows = kv[batch.pages_of(b).long()].reshape(-1, kv.shape[-1])
     return rows[: int(batch.kv_lens[b])]
 
@@ -21,6 +30,7 @@ def mla_decode(q_nope, q_pe, kv, batch: DecodeBatch, sm_scale: float, dtype=torc
 
     q_nope: [B, H, D_ckv]; q_pe: [B, H, D_kpe]
     kv:     [num_pages, page_size, D_ckv + D_kpe] real values (dequantized pool layer or source data)
+    batch:  dense, or sparse with one layer's slots token_indices [B, topk] int32 (-1 = none)
     returns out [B, H, D_ckv] in ``dtype`` and, with ``return_lse``, lse [B, H] (natural log of
     sum(exp(sm_scale * score))).
     """

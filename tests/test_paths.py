@@ -79,7 +79,7 @@ def test_registry_lookup_and_errors():
         backends.get("flash_fp4")
     rows = backends.capability_table()
     by = {r["backend"]: r for r in rows}
-    assert by["fp8_native.torch"]["kv_layouts"] == "fp8_per_tensor"
+    assert by["fp8_native.torch"]["kv_layouts"] == "fp8_per_tensor,fp8_ds_mla"
     assert by["bf16_pool.torch"]["kv_layouts"] == "bf16"
     assert by["fp8_native.triton_q8"]["precision"] == "fast"
     assert by["full_pool_cast.torch"]["precision"] == "accurate"
