@@ -6,7 +6,8 @@
     labkit profiles                      # the profiles and what they set
     labkit bench --grid gpu              # the benchmark (python -m labkit.bench)
 
-A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work.
+A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work;
+a failed notebook (exit 1) or Ctrl-C (exit 130) ends with one line naming the kept run folder.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import shlex
 import sys
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def parse_value(text: str):
@@ -64,6 +66,8 @@ def cmd_run(args, argv) -> int:
                                  progress=not args.no_progress)
     except runner.NotebookFailed as e:
         return _fail("run", str(e), code=1)
+    except runner.RunInterrupted as e:
+        return _fail("run", str(e), code=EXIT_INTERRUPTED)
     print(run_dir)
     return 0
 

@@ -4,6 +4,12 @@ A run folder is ``data/runs/<YYYYmmdd-HHMMSS>-<device>/``; each benchmark writes
 ``<name>.parquet`` files of records into it; ``load_runs`` reads them back into one DataFrame.
 A file appears whole or not at all: it is written to a temporary file in the same folder, fsync'ed,
 then published by a hard link (no overwrite) or ``os.replace`` (overwrite).
+
+Whatever fills a folder (``labkit run``, ``labkit.bench``, ``scripts/gpu_study.sh``) writes
+``finished.json`` (``FINISHED``) into it last, and only when its work ended successfully: a folder
+without it was killed, failed or is still being written, and ``load_runs`` says so per record
+(``run_finished``, ``run_state``). The folder that notebooks run by hand record into
+(``data/runs/interactive`` or ``$LABKIT_RUN_DIR``) never finishes: its state is ``interactive``.
 """
 from __future__ import annotations
 
@@ -20,6 +26,10 @@ import pandas as pd
 from .envinfo import REPO, device_tag, env_info  # noqa: F401  (env_info is part of this module's API)
 
 RECORD_KEYS = ("path", "backend", "impl", "median_ms", "p20_ms", "p80_ms")
+FINISHED = "finished.json"  # the completion marker of a run folder
+INTERACTIVE = "interactive"  # data/runs/interactive: notebooks run by hand, never finished
+ACTIVE_RUN_ENV = "LABKIT_ACTIVE_RUN"  # set by labkit run while it fills that folder (its report reads it)
+RUN_STATES = ("finished", "running", "interactive", "partial")
 
 
 # -- atomic files ---------------------------------------------------------------------------
@@ -186,13 +196,61 @@ def _result_files(paths_or_globs) -> list[tuple[str, Path]]:
     return unique
 
 
+def mark_finished(run_dir, what: str, exit_status: int = 0, **extra) -> Path:
+    """Write ``run_dir/finished.json`` (atomically): the end time (UTC), what ran, its exit status and
+    ``extra``. Call it last, once the folder's work has ended successfully."""
+    info = dict(finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), what=what,
+                exit_status=int(exit_status), **extra)
+    return atomic_write_text(Path(run_dir) / FINISHED, json.dumps(info, indent=1) + "\n")
+
+
+def _same(a: Path, b) -> bool:
+    try:
+        return bool(b) and a.resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def run_state(folder) -> str:
+    """``finished`` (it holds ``finished.json``), ``running`` (``labkit run`` is filling it now:
+    the report inside that run), ``interactive`` (notebooks run by hand record there) or ``partial``
+    (never finished: killed, failed or still being written by something else)."""
+    folder = Path(folder)
+    if (folder / FINISHED).is_file():
+        return "finished"
+    if _same(folder, os.environ.get(ACTIVE_RUN_ENV)):
+        return "running"
+    if folder.name == INTERACTIVE or _same(folder, os.environ.get("LABKIT_RUN_DIR")):
+        return "interactive"
+    return "partial"
+
+
 def load_runs(*paths_or_globs) -> pd.DataFrame:
     """Every result Parquet under the given run folders (or files, or globs) as one DataFrame,
-    with ``run`` (the run folder's name) and ``file`` (the file's stem) columns."""
+    with ``run`` (the run folder's name), ``file`` (the file's stem), ``run_state`` (``run_state``
+    of the folder that holds the file) and ``run_finished`` (bool: that state is ``finished``)."""
     frames = []
     for run, f in _result_files(paths_or_globs):
         df = pd.read_parquet(f)
-        frames.append(df.assign(run=run, file=f.stem))
+        state = run_state(f.parent)
+        frames.append(df.assign(run=run, file=f.stem, run_state=state, run_finished=state == "finished"))
     if not frames:
-        return pd.DataFrame(columns=["run", "file"])
+        return pd.DataFrame(columns=["run", "file", "run_state", "run_finished"])
     return pd.concat(frames, ignore_index=True)
+
+
+def unfinished_note(df: pd.DataFrame) -> str:
+    """One line naming the runs whose records come from a folder that never finished; "" if none."""
+    if "run_state" not in df or not len(df):
+        return ""
+    bad = sorted(df.run[df.run_state == "partial"].unique())
+    return (f"partial: {len(bad)} run(s) never finished (killed, failed or still running), their records "
+            f"are labelled '(partial)': {', '.join(bad)}") if bad else ""
+
+
+def label_partial(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``run`` suffixed ``(partial)`` for the records of folders that never finished."""
+    if "run_state" not in df or not len(df):
+        return df
+    partial = df.run_state == "partial"
+    return df.assign(run=df.run.where(~partial, df.run.astype(str) + " (partial)"))
