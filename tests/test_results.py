@@ -1,4 +1,6 @@
-"""labkit.results and labkit.plots: records round trip, atomic writes under a crash, no overwrite."""
+"""labkit.results and labkit.plots: records round trip, atomic writes under a crash, no overwrite,
+the finished-run marker."""
+import json
 import os
 import re
 import subprocess
@@ -48,7 +50,8 @@ def test_round_trip(tmp_path):
     assert path == tmp_path / "paths.parquet"
     back = results.load_runs(tmp_path)
     assert set(back.run) == {tmp_path.name} and set(back.file) == {"paths"}
-    pd.testing.assert_frame_equal(back.drop(columns=["run", "file"]), pd.DataFrame(recs))
+    pd.testing.assert_frame_equal(back.drop(columns=["run", "file", "run_state", "run_finished"]),
+                                  pd.DataFrame(recs))
 
 
 def test_never_overwrites(tmp_path):
@@ -149,3 +152,55 @@ def test_sweep_lines_has_units():
     ax = plots.sweep_lines(df, "pool_tokens", "us", xlabel="pool tokens", ylabel="time per layer (us)", logx=True)
     assert len(ax.lines) == 2 and ax.get_ylabel() == "time per layer (us)"
     plt.close("all")
+
+
+def test_finished_marker_and_run_states(tmp_path, monkeypatch):
+    monkeypatch.delenv("LABKIT_RUN_DIR", raising=False)
+    monkeypatch.delenv(results.ACTIVE_RUN_ENV, raising=False)
+    done, killed, hand = tmp_path / "20260101-000000-cpu", tmp_path / "20260102-000000-cpu", tmp_path / "interactive"
+    for d in (done, killed, hand):
+        results.write_records(d, _records(2), "a")
+    marker = results.mark_finished(done, "labkit run 01", notebooks=["01_x"])
+    info = json.loads(marker.read_text())
+    assert marker == done / results.FINISHED and info["what"] == "labkit run 01" and info["exit_status"] == 0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", info["finished"]) and info["notebooks"] == ["01_x"]
+    assert _leftovers(done) == []
+    df = results.load_runs(done, killed, hand)
+    state = df.groupby("run").run_state.unique().map(list).to_dict()
+    assert state == {done.name: ["finished"], killed.name: ["partial"], hand.name: ["interactive"]}
+    assert df.run_finished.tolist() == [True] * 2 + [False] * 4
+    monkeypatch.setenv(results.ACTIVE_RUN_ENV, str(killed))  # labkit run filling it: its own report
+    monkeypatch.setenv("LABKIT_RUN_DIR", str(done))  # a marker outranks the hand-run folder
+    assert [results.run_state(d) for d in (done, killed, hand)] == ["finished", "running", "interactive"]
+
+
+def test_nested_folders_have_their_own_marker(tmp_path):
+    """A study folder (benchmark records) holds a labkit run folder: each file answers to its own folder."""
+    outer = tmp_path / "20260101-000000-cuda"
+    inner = outer / "20260101-000100-cuda"
+    results.write_records(outer, _records(1), "bench")
+    results.write_records(inner, _records(2), "03_peers")
+    results.mark_finished(inner, "labkit run")
+    df = results.load_runs(outer)
+    assert set(df.run) == {outer.name}
+    assert df.groupby("file").run_finished.all().to_dict() == {"bench": False, "03_peers": True}
+
+
+def test_partial_runs_are_labelled(tmp_path, monkeypatch):
+    monkeypatch.delenv(results.ACTIVE_RUN_ENV, raising=False)
+    done, killed = tmp_path / "20260101-000000-cpu", tmp_path / "20260102-000000-cpu"
+    results.write_records(done, _records(1), "a")
+    results.write_records(killed, _records(2), "a")
+    results.mark_finished(done, "x")
+    df = results.load_runs(done, killed)
+    note = results.unfinished_note(df)
+    assert note.startswith("partial: 1 run(s)") and killed.name in note and done.name not in note
+    assert "\n" not in note
+    labelled = results.label_partial(df)
+    assert sorted(labelled.run.unique()) == [done.name, f"{killed.name} (partial)"]
+    assert results.unfinished_note(results.load_runs(done)) == ""
+    assert results.label_partial(results.load_runs(done)).run.tolist() == [done.name]
+
+
+def test_load_runs_empty_has_the_state_columns(tmp_path):
+    assert {"run", "file", "run_state", "run_finished"} <= set(results.load_runs(str(tmp_path / "none*")).columns)
