@@ -1,0 +1,416 @@
+"""Absorbed-MLA decode reading FP8 token rows by id: dense (page table) or sparse (DSA top-k slots).
+
+One split-KV kernel for both batch kinds and both FP8 row layouts (``labkit.kvlayout``):
+
+    fp8_per_tensor  row = 576 e4m3 (512 NoPE | 64 RoPE); one k_scale, folded into sm_scale and the output
+    fp8_ds_mla      row = 656 B: 512 e4m3 | 4 fp32 group scales | 64 bf16 RoPE
+
+A token is a row of ``kv_rows`` ([pool_tokens, row], ``KVPool.rows(layer)``). Dense: position n of
+request b is row ``kv_indices[kv_indptr[b] + n // page_size] * page_size + n % page_size``, for
+n < kv_lens[b]. Sparse: position n is row ``token_indices[b, n]``; -1 is masked and never read.
+
+Grid (B, cdiv(H, BLOCK_H), splits); heads sit on the MMA's M side. The 512 NoPE columns are four
+groups of 128, each its own FP8 dot: in ds_mla each group's scale multiplies that group's partial
+score (per token) and that group's p before P.V (as a power-of-two ratio to the tile's largest
+scale, which multiplies the dot's result), so no KV value is ever widened on the FP8 path.
+
+Query: e4m3 with one scale per (request, head), amax / 448, quantized in the kernel.
+Precision (constexpr):
+  Q_SPLIT  0: q = hi (e4m3).  1: q = hi + lo / 16, both e4m3 (two FP8 dots per group; exact to
+           ~2^-8, as good as a 16-bit query)
+  PV       0: p * 256 (out of e4m3 subnormals) in e4m3, FP8 dot with V as stored.
+           1: V widened to fp16 in registers (cvt.rn.f16x2.e4m3x2), p * 256 in fp16, fp16 dot
+  P_SPLIT  (PV 0) 1: p = hi + lo / 16, both e4m3: two FP8 dots per group
+  EMU      the CPU interpreter: its f32 -> fp8 casts are wrong (not rounded), so values are first
+           rounded to e4m3 with integer/fp32 ops (then the cast is exact); fp8 dots are exact there,
+           16-bit ones are not, so PV 1 runs in fp32 there
+"fast" = Q_SPLIT 0, P_SPLIT 0; "accurate" = Q_SPLIT 1 and (PV 0, P_SPLIT 1) or PV 1.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mla_decode import LOG2E, decode_buffers, pick_block_h, resolve_splits
+from .mla_decode_fp8 import _widen
+from .mla_merge import mla_merge, round_to_bf16
+
+LAYOUT_ROW = {"fp8_per_tensor": 576, "fp8_ds_mla": 656}  # bytes per token row
+PRECISIONS = ("fast", "accurate")
+PV_MODES = {"fp8": 0, "f16": 1}
+P_SCALE = 256.0  # p in [0, 1] -> p * 256: e4m3 normal down to p = 2^-14
+
+
+@triton.jit
+def _e4m3(x, EMU: tl.constexpr):
+    """fp32 -> float8e4nv, nearest-even, saturating at +-448."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EMU:  # round here; the interpreter's cast is then exact
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: steps of 2^-9
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _q_amax(q_ptr, row_off, hmask, col0, W: tl.constexpr):
+    """Per-head max |q| over columns col0 .. col0 + W: [BLOCK_H] fp32."""
+    x = tl.load(q_ptr + row_off[:, None] + col0 + tl.arange(0, W)[None, :], mask=hmask[:, None], other=0.0)
+    return tl.max(tl.abs(x.to(tl.float32)), 1)
+
+
+@triton.jit
+def _q_fp8(q_ptr, row_off, hmask, col0, inv, W: tl.constexpr, Q_SPLIT: tl.constexpr, EMU: tl.constexpr):
+    """Columns col0 .. col0 + W of q times inv (per head) as e4m3 hi and lo (lo = 16 * residual)."""
+    x = tl.load(q_ptr + row_off[:, None] + col0 + tl.arange(0, W)[None, :], mask=hmask[:, None], other=0.0)
+    x = x.to(tl.float32) * inv[:, None]
+    hi = _e4m3(x, EMU)
+    lo = hi
+    if Q_SPLIT:
+        lo = _e4m3((x - hi.to(tl.float32)) * 16.0, EMU)
+    return hi, lo
+
+
+@triton.jit
+def _qk(hi, lo, k, Q_SPLIT: tl.constexpr):
+    """[BLOCK_H, W] e4m3 query parts . [BLOCK_N, W] e4m3 keys -> [BLOCK_H, BLOCK_N] fp32."""
+    kt = tl.trans(k)
+    d = tl.dot(hi, kt)
+    if Q_SPLIT:
+        d += tl.dot(lo, kt) * 0.0625
+    return d
+
+
+@triton.jit
+def _pv(x, v, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
+    """x [BLOCK_H, BLOCK_N] fp32 in [0, 256] (scaled p) @ v [BLOCK_N, 128] e4m3 -> fp32."""
+    if PV == 0:
+        hi = _e4m3(x, EMU)
+        r = tl.dot(hi, v)
+        if P_SPLIT:
+            r += tl.dot(_e4m3((x - hi.to(tl.float32)) * 16.0, EMU), v) * 0.0625
+    elif EMU:
+        r = tl.dot(x, v.to(tl.float32))
+    else:
+        r = tl.dot(x.to(tl.float16), _widen(v, 2))
+    return r
+
+
+@triton.jit
+def _tile_rows(kv_indices_ptr, tok_ptr, page_base, n0, end, SPARSE: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Rows (int64) of positions n0 .. n0 + BLOCK_N of a request and which are to be read."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    inr = offs < end
+    if SPARSE:
+        t = tl.load(tok_ptr + offs, mask=inr, other=-1)
+        nmask = t >= 0
+        rows = tl.where(nmask, t, 0).to(tl.int64)
+    else:
+        nmask = inr
+        if PAGE >= BLOCK_N:  # the tile lies in one page
+            page = tl.load(kv_indices_ptr + page_base + n0 // PAGE).to(tl.int64)
+        else:
+            page = tl.load(kv_indices_ptr + page_base + offs // PAGE, mask=inr, other=0).to(tl.int64)
+        rows = page * PAGE + offs % PAGE
+    return rows, nmask
+
+
+@triton.jit
+def _store_group(o_ptr, acc, hmask, o_row, col0, scale, DIRECT: tl.constexpr, EMU: tl.constexpr):
+    """Columns col0 .. col0 + 128 of the output (DIRECT) or of this split's partial row."""
+    out = acc * scale[:, None]
+    cols = col0 + tl.arange(0, 128)
+    if DIRECT:
+        if EMU:  # the interpreter truncates fp32 -> bf16: round first
+            if o_ptr.dtype.element_ty == tl.bfloat16:
+                out = round_to_bf16(out)
+        tl.store(o_ptr + o_row[:, None] + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        tl.store(o_ptr + o_row[:, None] * 512 + cols[None, :], out, mask=hmask[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "num_splits", "topk"])
+def _mla_decode_fp8_rows_kernel(
+    q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
+    q_pe_ptr,  # *[B, H, 64]
+    kv8_ptr,  # *fp8e4nv [pool_tokens, ROW] the rows as bytes
+    kvs_ptr,  # *fp32 [pool_tokens, ROW / 4] the same rows (ds_mla group scales at word 128)
+    kvr_ptr,  # *bf16 [pool_tokens, ROW / 2] the same rows (ds_mla RoPE at element 264)
+    kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr,  # dense: *i32 [B + 1], [nnz], [B]
+    tok_ptr,  # sparse: *i32 [B, topk] rows, -1 masked
+    o_ptr,  # *f32 [B, H, S, 512] partials, or *q dtype [B, H, 512] when DIRECT
+    lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
+    qk_scale,  # sm_scale * k_scale * log2(e)
+    out_scale,  # k_scale / 256 (PV scale), DIRECT only
+    H, num_splits,
+    topk,  # sparse: positions per request (token_indices is [B, topk], contiguous)
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_o_b, stride_o_h,
+    ROW: tl.constexpr,  # 576 or 656
+    DS: tl.constexpr,  # fp8_ds_mla rows
+    SPARSE: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DIRECT: tl.constexpr,
+    Q_SPLIT: tl.constexpr, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr,
+):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    split = tl.program_id(2)
+    d128 = tl.arange(0, 128)
+    d64 = tl.arange(0, 64)
+    if SPARSE:
+        seq_len = topk
+        page_base = 0
+        tok_ptr += b.to(tl.int64) * topk
+    else:
+        seq_len = tl.load(kv_lens_ptr + b)
+        page_base = tl.load(kv_indptr_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    # the query in e4m3, one scale per head (ds_mla: RoPE stays 16-bit, outside the scale)
+    qn_off = b * stride_qn_b + heads * stride_qn_h
+    qp_off = b * stride_qp_b + heads * stride_qp_h
+    amax = tl.maximum(tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 0, 128), _q_amax(q_nope_ptr, qn_off, hmask, 128, 128)),
+                      tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 256, 128), _q_amax(q_nope_ptr, qn_off, hmask, 384, 128)))
+    if not DS:
+        amax = tl.maximum(amax, _q_amax(q_pe_ptr, qp_off, hmask, 0, 64))
+    q_sc = tl.maximum(amax, 1e-30) / 448.0
+    inv = 1.0 / q_sc
+    qh0, ql0 = _q_fp8(q_nope_ptr, qn_off, hmask, 0, inv, 128, Q_SPLIT, EMU)
+    qh1, ql1 = _q_fp8(q_nope_ptr, qn_off, hmask, 128, inv, 128, Q_SPLIT, EMU)
+    qh2, ql2 = _q_fp8(q_nope_ptr, qn_off, hmask, 256, inv, 128, Q_SPLIT, EMU)
+    qh3, ql3 = _q_fp8(q_nope_ptr, qn_off, hmask, 384, inv, 128, Q_SPLIT, EMU)
+    if DS:
+        q_r = tl.load(q_pe_ptr + qp_off[:, None] + d64[None, :], mask=hmask[:, None], other=0.0)
+        if EMU:
+            q_r = q_r.to(tl.float32)
+        else:
+            q_r = q_r.to(tl.bfloat16)
+        qph = qh0  # unused
+        qpl = qh0
+    else:
+        qph, qpl = _q_fp8(q_pe_ptr, qp_off, hmask, 0, inv, 64, Q_SPLIT, EMU)
+
+    m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        rows, nmask = _tile_rows(kv_indices_ptr, tok_ptr, page_base, n0, end, SPARSE, PAGE, BLOCK_N)
+        base = kv8_ptr + rows[:, None] * ROW + d128[None, :]
+        k0 = tl.load(base, mask=nmask[:, None], other=0.0)  # [BLOCK_N, 128] e4m3 each
+        k1 = tl.load(base + 128, mask=nmask[:, None], other=0.0)
+        k2 = tl.load(base + 256, mask=nmask[:, None], other=0.0)
+        k3 = tl.load(base + 384, mask=nmask[:, None], other=0.0)
+        if DS:
+            sw = kvs_ptr + rows * (ROW // 4) + 128
+            sc0 = tl.load(sw, mask=nmask, other=0.0)  # [BLOCK_N] fp32, power-of-two group scales
+            sc1 = tl.load(sw + 1, mask=nmask, other=0.0)
+            sc2 = tl.load(sw + 2, mask=nmask, other=0.0)
+            sc3 = tl.load(sw + 3, mask=nmask, other=0.0)
+            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
+            if EMU:
+                kr = kr.to(tl.float32)
+            s = (_qk(qh0, ql0, k0, Q_SPLIT) * sc0[None, :] + _qk(qh1, ql1, k1, Q_SPLIT) * sc1[None, :]
+                 + _qk(qh2, ql2, k2, Q_SPLIT) * sc2[None, :] + _qk(qh3, ql3, k3, Q_SPLIT) * sc3[None, :])
+            s = s * q_sc[:, None] + tl.dot(q_r, tl.trans(kr))
+        else:
+            kp = tl.load(kv8_ptr + rows[:, None] * ROW + 512 + d64[None, :], mask=nmask[:, None], other=0.0)
+            s = (_qk(qh0, ql0, k0, Q_SPLIT) + _qk(qh1, ql1, k1, Q_SPLIT) + _qk(qh2, ql2, k2, Q_SPLIT)
+                 + _qk(qh3, ql3, k3, Q_SPLIT) + _qk(qph, qpl, kp, Q_SPLIT)) * q_sc[:, None]
+        s = tl.where(nmask[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may be all -1 slots
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if DS:  # p times each token's scale / the tile's largest (a power of two, <= 1)
+            mx0 = tl.maximum(tl.max(sc0), 1e-30)
+            mx1 = tl.maximum(tl.max(sc1), 1e-30)
+            mx2 = tl.maximum(tl.max(sc2), 1e-30)
+            mx3 = tl.maximum(tl.max(sc3), 1e-30)
+            acc0 = acc0 * alpha[:, None] + _pv(p * (sc0 * (256.0 / mx0))[None, :], k0, PV, P_SPLIT, EMU) * mx0
+            acc1 = acc1 * alpha[:, None] + _pv(p * (sc1 * (256.0 / mx1))[None, :], k1, PV, P_SPLIT, EMU) * mx1
+            acc2 = acc2 * alpha[:, None] + _pv(p * (sc2 * (256.0 / mx2))[None, :], k2, PV, P_SPLIT, EMU) * mx2
+            acc3 = acc3 * alpha[:, None] + _pv(p * (sc3 * (256.0 / mx3))[None, :], k3, PV, P_SPLIT, EMU) * mx3
+        else:
+            x = p * 256.0
+            acc0 = acc0 * alpha[:, None] + _pv(x, k0, PV, P_SPLIT, EMU)
+            acc1 = acc1 * alpha[:, None] + _pv(x, k1, PV, P_SPLIT, EMU)
+            acc2 = acc2 * alpha[:, None] + _pv(x, k2, PV, P_SPLIT, EMU)
+            acc3 = acc3 * alpha[:, None] + _pv(x, k3, PV, P_SPLIT, EMU)
+
+    l_safe = tl.maximum(l_i, 1e-30)
+    inv_l = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
+    if DIRECT:
+        scale = inv_l * out_scale
+        o_row = b * stride_o_b + heads * stride_o_h
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+        tl.store(lse_ptr + b * H + heads, lse, mask=hmask)
+    else:
+        scale = inv_l * (1.0 / 256.0)
+        o_row = (b * H + heads) * num_splits + split
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf"))
+        tl.store(lse_ptr + o_row, lse, mask=hmask)
+    _store_group(o_ptr, acc0, hmask, o_row, 0, scale, DIRECT, EMU)
+    _store_group(o_ptr, acc1, hmask, o_row, 128, scale, DIRECT, EMU)
+    _store_group(o_ptr, acc2, hmask, o_row, 256, scale, DIRECT, EMU)
+    _store_group(o_ptr, acc3, hmask, o_row, 384, scale, DIRECT, EMU)
+
+
+# GPU tuning (H200, scripts/gpu_rows.py; docs/perf-notes.md "Run 5"): per precision, the P.V mode
+# and tile; the splits fill one wave of ``ctas_per_sm`` CTAs per SM.
+GPU_DEFAULTS = {
+    "fast": dict(pv="fp8", block_n=64, num_stages=2, ctas_per_sm=1),
+    "accurate": dict(pv="fp8", block_n=64, num_stages=2, ctas_per_sm=1),
+}
+
+
+def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv):
+    if kv_layout not in LAYOUT_ROW:
+        raise ValueError(f"mla_decode_fp8_rows: kv_layout={kv_layout!r}; allowed {list(LAYOUT_ROW)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"mla_decode_fp8_rows: precision={precision!r}; allowed {list(PRECISIONS)}")
+    if pv is not None and pv not in PV_MODES:
+        raise ValueError(f"mla_decode_fp8_rows: pv={pv!r}; allowed {list(PV_MODES)}")
+    if q_nope.dim() != 3 or q_nope.shape[-1] != 512:
+        raise ValueError(f"mla_decode_fp8_rows: q_nope must be [B, H, 512], got {tuple(q_nope.shape)}")
+    B, H, _ = q_nope.shape
+    if q_pe.shape != (B, H, 64):
+        raise ValueError(f"mla_decode_fp8_rows: q_pe must be [{B}, {H}, 64], got {tuple(q_pe.shape)}")
+    if q_nope.dtype not in (torch.bfloat16, torch.float16) or q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"mla_decode_fp8_rows: q_nope/q_pe dtypes {q_nope.dtype}/{q_pe.dtype}; allowed "
+                         "bfloat16 or float16, the same for both")
+    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("mla_decode_fp8_rows: q_nope and q_pe need a contiguous last dim")
+    if not 1 <= H <= 128:
+        raise ValueError(f"mla_decode_fp8_rows: q_nope has {H} heads; allowed 1..128")
+    row = LAYOUT_ROW[kv_layout]
+    want = torch.float8_e4m3fn if kv_layout == "fp8_per_tensor" else torch.uint8
+    if kv_rows.dim() != 2 or kv_rows.shape[1] != row or kv_rows.dtype != want:
+        raise ValueError(f"mla_decode_fp8_rows: kv_rows must be [pool_tokens, {row}] {want} for "
+                         f"kv_layout={kv_layout!r}, got {tuple(kv_rows.shape)} {kv_rows.dtype}")
+    if kv_rows.stride() != (row, 1) or kv_rows.storage_offset() % 16:
+        raise ValueError(f"mla_decode_fp8_rows: kv_rows must be contiguous rows, 16-byte aligned "
+                         f"(strides {tuple(kv_rows.stride())}, offset {kv_rows.storage_offset()})")
+    for name, t in (("q_pe", q_pe), ("kv_rows", kv_rows)):
+        if t.device != q_nope.device:
+            raise ValueError(f"mla_decode_fp8_rows: {name} is on {t.device}, q_nope on {q_nope.device}")
+    return B, H
+
+
+def _int32(name, t, shape, device):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device:
+        raise ValueError(f"mla_decode_fp8_rows: {name} must be an int32 tensor on {device}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"mla_decode_fp8_rows: {name} must have shape {shape}, got {tuple(t.shape)}")
+    return t.contiguous()
+
+
+def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, *, sm_scale: float,
+                        kv_layout: str, k_scale: float = 1.0, precision: str = "fast",
+                        kv_indptr: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
+                        kv_lens: torch.Tensor | None = None, page_size: int | None = None,
+                        token_indices: torch.Tensor | None = None, max_len: int | None = None,
+                        num_splits: int | None = None, return_lse: bool = False, pv: str | None = None,
+                        block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None, ctas_per_sm: float | None = None):
+    """MLA decode over FP8 token rows, dense (page table) or sparse (token slots).
+
+    Parameters
+    ----------
+    q_nope : [B, H, 512] bf16 or fp16 (H in 1..128), last dim contiguous.
+    q_pe : [B, H, 64], same dtype.
+    kv_rows : ``KVPool.rows(layer)``, contiguous: [pool_tokens, 576] float8_e4m3fn
+        (kv_layout "fp8_per_tensor", real = stored * k_scale) or [pool_tokens, 656] uint8
+        ("fp8_ds_mla": 512 e4m3 | 4 fp32 group scales | 64 bf16; k_scale must be 1).
+    sm_scale : softmax scale. k_scale : per-tensor scale, folded into the scores and the output.
+    precision : "fast" (e4m3 query, p in e4m3: ~1e-2 rel. error) or "accurate" (query and p each
+        split into two e4m3 terms, or V widened to fp16 with ``pv="f16"``: <= 3e-3).
+    Dense: kv_indptr [B + 1] int32, kv_indices [nnz] int32 page ids, kv_lens [B] int32, page_size
+        (a power of two 1..128); max_len (the longest kv_lens) spares a device -> host read.
+    Sparse: token_indices [B, topk] int32 rows of kv_rows, -1 = masked (never read); the page
+        table is not read.
+    num_splits, pv ("fp8" | "f16"), block_n, block_h, num_warps, num_stages, ctas_per_sm : tuning;
+        None takes ``GPU_DEFAULTS`` (CPU: one split, fp32 16-bit paths).
+
+    Returns
+    -------
+    out : [B, H, 512] q dtype; with ``return_lse`` also lse : [B, H] float32 (natural log).
+
+    Cost: reads L * 576 (per-tensor) or L * 656 (ds_mla) bytes of KV, L = sum kv_lens (dense) or the
+    valid slots (sparse), + B * H * 576 * 2 of queries; each of cdiv(H, block_h) head blocks reads
+    the rows again (from L2 when the blocks run together). 2 * H * L * (576 + 512) FLOPs, twice
+    that on FP8 MMAs for "accurate" (hi + lo terms). With S > 1 splits, B * H * S * 513 * 4 bytes
+    of partials written and read back by ``mla_merge``.
+    """
+    B, H = _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv)
+    dev = q_nope.device
+    on_gpu = dev.type == "cuda"
+    ds = kv_layout == "fp8_ds_mla"
+    if ds and k_scale != 1.0:
+        raise ValueError(f"mla_decode_fp8_rows: k_scale={k_scale}; fp8_ds_mla rows carry their own scales (use 1.0)")
+    sparse = token_indices is not None
+    if sparse:
+        if token_indices.dim() != 2 or token_indices.shape[0] != B:
+            raise ValueError(f"mla_decode_fp8_rows: token_indices must be [{B}, topk], got {tuple(token_indices.shape)}")
+        tok = _int32("token_indices", token_indices, None, dev)
+        topk = tok.shape[1]
+        max_len = topk
+        indptr = indices = lens = tok
+        page = 1
+    else:
+        if page_size is None or page_size < 1 or page_size > 128 or page_size & (page_size - 1):
+            raise ValueError(f"mla_decode_fp8_rows: page_size={page_size}; allowed powers of two 1..128")
+        if kv_rows.shape[0] % page_size:
+            raise ValueError(f"mla_decode_fp8_rows: kv_rows has {kv_rows.shape[0]} rows, not whole pages of {page_size}")
+        indptr = _int32("kv_indptr", kv_indptr, (B + 1,), dev)
+        lens = _int32("kv_lens", kv_lens, (B,), dev)
+        indices = _int32("kv_indices", kv_indices, None, dev)
+        tok, topk, page = lens, 0, page_size
+    cfg = dict(GPU_DEFAULTS[precision])
+    if not on_gpu:
+        cfg.update(block_n=64, num_stages=1)
+    given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    bn = cfg["block_n"]
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"mla_decode_fp8_rows: block_n={bn}; allowed powers of two >= 16")
+    block_h = pick_block_h(H, block_h)
+    if block_h > 64:
+        raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
+    if num_warps is None:
+        num_warps = 8 if block_h >= 64 else 4
+    head_blocks = triton.cdiv(H, block_h)
+    num_splits = resolve_splits("mla_decode_fp8_rows", num_splits, B, head_blocks, lens, max_len, bn, dev,
+                                cfg["ctas_per_sm"])
+    accurate = precision == "accurate"
+    pv_mode = PV_MODES[cfg["pv"]]
+    out_scale = float(k_scale) / P_SCALE
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    if B == 0:
+        return (o_buf, lse_buf) if return_lse else o_buf
+    kv8 = kv_rows.view(torch.float8_e4m3fn)
+    kvs = kv_rows.view(torch.float32) if ds else kv8  # the same bytes; the kernel reads what its layout has
+    kvr = kv_rows.view(torch.bfloat16) if ds else kv8
+    _mla_decode_fp8_rows_kernel[(B, head_blocks, num_splits)](
+        q_nope, q_pe, kv8, kvs, kvr, indptr, indices, lens, tok, o_buf, lse_buf,
+        float(sm_scale) * float(k_scale) * LOG2E, out_scale, H, num_splits, topk,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
+        ROW=LAYOUT_ROW[kv_layout], DS=ds, SPARSE=sparse, PAGE=page, BLOCK_N=bn, BLOCK_H=block_h, DIRECT=direct,
+        Q_SPLIT=accurate, PV=pv_mode, P_SPLIT=accurate and pv_mode == 0, EMU=not on_gpu,
+        num_warps=num_warps, num_stages=cfg["num_stages"],
+    )
+    out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))
+    return (out, lse) if return_lse else out

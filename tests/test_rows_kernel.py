@@ -1,0 +1,180 @@
+"""``mla_decode_fp8_rows`` (dense and sparse, both FP8 row layouts, both precisions) against a float64
+reference computed here from the dequantized pool.
+
+Every pool row that the batch must not read is poisoned first (NaN in every field), so a read of a
+masked slot, of an unselected token or of a page tail past kv_lens shows up as a NaN output. CPU
+shapes are tiny (the interpreter costs 1-3 ms a program); ``gpu`` tests run the compiled kernel on
+small and batched shapes (skipped without CUDA).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import backends, kvpool
+from labkit.kernels.mla_decode_fp8_rows import mla_decode_fp8_rows
+
+SM = 1 / 16
+TOL = {"fast": 5e-2, "accurate": 3e-3}  # the issue's bar for "accurate"; fast: e4m3 query and p
+LAYOUTS = ("fp8_per_tensor", "fp8_ds_mla")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def context_rows(batch, b: int) -> torch.Tensor:
+    """Rows of kv_rows that request b's page table covers: [kv_lens[b]] int64."""
+    pages = batch.pages_of(b).long().cpu()
+    rows = (pages[:, None] * batch.page_size + torch.arange(batch.page_size)).flatten()
+    return rows[: int(batch.kv_lens[b])]
+
+
+def random_slots(batch, topk: int, seed: int) -> torch.Tensor:
+    """[B, topk] int32: each request's slots drawn from its own tokens, -1 padding at the end."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((batch.batch_size, topk), -1, dtype=torch.int32)
+    for b in range(batch.batch_size):
+        rows = context_rows(batch, b)
+        pick = rows[torch.randperm(rows.numel(), generator=gen)[:topk]]
+        out[b, : pick.numel()] = pick.to(torch.int32)
+    return out
+
+
+def reference(q_nope, q_pe, real_rows, reads, sm_scale):
+    """float64 decode: real_rows [pool_tokens, 576] real values; reads[b] the rows request b attends."""
+    q = torch.cat([q_nope, q_pe], -1).double().cpu()
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=torch.float64)
+    for b, rows in enumerate(reads):
+        kv = real_rows[rows]  # [n, 576]
+        p = torch.softmax((q[b] @ kv.T) * sm_scale, -1)
+        out[b] = p @ kv[:, :512]
+    return out
+
+
+def poison_except(pool, layer: int, keep: torch.Tensor) -> None:
+    """NaN in every byte field of every row of ``pool.rows(layer)`` not in ``keep``."""
+    rows = pool.rows(layer).view(torch.uint8)
+    mask = torch.ones(rows.shape[0], dtype=torch.bool)
+    mask[keep.long().cpu()] = False
+    rows[mask.to(rows.device)] = 0xFF  # e4m3 0xFF, fp32 and bf16 all-ones: NaN
+
+
+def make_case(layout, page_size, lens, heads, topk=0, seed=0, device="cpu"):
+    """(pool, batch, q_nope, q_pe, reads, ref_rows): the pool poisoned outside what is read."""
+    ptok = page_size * (sum(-(-n // page_size) for n in lens) + 2)
+    pool = kvpool.random_pool(1, ptok, page_size, kv_layout=layout, seed=seed, device=device)
+    batch = kvpool.batch_for_pool(pool, lens, seed=seed + 1)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=seed + 2, device=device)
+    real = pool.dequant(0, torch.float64).flatten(0, 1).cpu()  # before the poison
+    if topk:
+        slots = random_slots(batch, topk, seed + 3)
+        reads = [s[s >= 0].long() for s in slots]
+        batch = batch.with_slots(slots.to(device))
+    else:
+        reads = [context_rows(batch, b) for b in range(len(lens))]
+    poison_except(pool, 0, torch.cat(reads))
+    return pool, batch, qn, qp, reads, real
+
+
+def run(pool, batch, qn, qp, precision, **kw):
+    k_scale = 1.0 if pool.kv_layout == "fp8_ds_mla" else pool.scale(0)
+    common = dict(sm_scale=SM, kv_layout=pool.kv_layout, k_scale=k_scale, precision=precision, **kw)
+    if batch.token_indices is not None:
+        return mla_decode_fp8_rows(qn, qp, pool.rows(0), token_indices=batch.token_indices, **common)
+    return mla_decode_fp8_rows(qn, qp, pool.rows(0), kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices,
+                               kv_lens=batch.kv_lens, page_size=batch.page_size, max_len=batch.max_len, **common)
+
+
+def rel_err(out, ref) -> float:
+    out = out.double().cpu()
+    assert torch.isfinite(out).all(), "NaN output: a poisoned row was read or an output left unwritten"
+    return float((out - ref).norm() / ref.norm())
+
+
+# (layout, page_size, lens, heads, topk, num_splits): contexts not a multiple of the 64-token tile,
+# heads not a multiple of the head block (20 of 32; 40 = 64 + a partial block... of 64)
+CPU_CASES = [
+    ("fp8_per_tensor", 16, [37, 100], 20, 0, 1),
+    ("fp8_ds_mla", 4, [100, 9], 20, 0, 2),
+    ("fp8_per_tensor", 1, [50, 160], 20, 96, 1),  # request 0: 50 slots, 46 x -1
+    ("fp8_ds_mla", 8, [200, 70], 40, 96, 2),  # 40 heads: one block of 64, 24 masked
+]
+
+
+@pytest.mark.parametrize("precision", ["fast", "accurate"])
+@pytest.mark.parametrize("layout,page_size,lens,heads,topk,splits", CPU_CASES)
+def test_rows_kernel_cpu(layout, page_size, lens, heads, topk, splits, precision):
+    pool, batch, qn, qp, reads, real = make_case(layout, page_size, lens, heads, topk)
+    out = run(pool, batch, qn, qp, precision, num_splits=splits)
+    assert out.shape == qn.shape and out.dtype == qn.dtype
+    err = rel_err(out, reference(qn, qp, real, reads, SM))
+    assert err < TOL[precision], err
+    if precision == "fast":  # the e4m3 query and p do cost accuracy: the split terms are what buy it back
+        assert err > 2e-3, err
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_kernel_cpu_accurate_f16_pv(layout):
+    """The other accurate variant: split query, V widened (fp32 in the interpreter) for P.V."""
+    pool, batch, qn, qp, reads, real = make_case(layout, 4, [90], 16, topk=64, seed=5)
+    out = run(pool, batch, qn, qp, "accurate", pv="f16")
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL["accurate"]
+
+
+def test_rows_kernel_rejects_bad_arguments():
+    pool, batch, qn, qp, _, _ = make_case("fp8_per_tensor", 16, [20], 16)
+    with pytest.raises(ValueError, match="kv_layout"):
+        mla_decode_fp8_rows(qn, qp, pool.rows(0), sm_scale=SM, kv_layout="bf16", token_indices=batch.kv_lens[None])
+    with pytest.raises(ValueError, match="precision"):
+        run(pool, batch, qn, qp, "exact")
+    with pytest.raises(ValueError, match="kv_rows"):
+        mla_decode_fp8_rows(qn, qp, pool.rows(0), sm_scale=SM, kv_layout="fp8_ds_mla", page_size=16,
+                            kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices, kv_lens=batch.kv_lens)
+    with pytest.raises(ValueError, match="page_size"):
+        mla_decode_fp8_rows(qn, qp, pool.rows(0), sm_scale=SM, kv_layout="fp8_per_tensor",
+                            kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices, kv_lens=batch.kv_lens)
+
+
+@pytest.mark.parametrize("name,precision", [("fp8_native.triton_rows", "fast"),
+                                            ("fp8_native.triton_rows_acc", "accurate")])
+def test_rows_backends(name, precision):
+    """Through the registry: per-layer slots of a sparse batch and a dense ds_mla batch."""
+    be = backends.get(name)
+    assert be.precision == precision and be.sparse and be.dense
+    pool, batch, qn, qp, reads, real = make_case("fp8_ds_mla", 8, [70, 33], 16, topk=64, seed=9)
+    out = be.decode(qn, qp, pool, 0, batch, SM)
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
+    pool, batch, qn, qp, reads, real = make_case("fp8_per_tensor", 32, [70], 16, seed=11)
+    out = be.decode(qn, qp, pool, 0, batch, SM)
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
+
+
+GPU_CASES = [  # small, then batched shapes
+    ("fp8_per_tensor", 64, [1, 63, 64, 65, 1000], 16, 0),
+    ("fp8_ds_mla", 64, [1, 63, 64, 65, 1000], 64, 0),
+    ("fp8_per_tensor", 1, [300, 5000], 128, 2048),
+    ("fp8_ds_mla", 1, [300, 5000], 16, 2048),
+    ("fp8_per_tensor", 32, [4096] * 16, 128, 0),
+    ("fp8_ds_mla", 1, [8192] * 16, 64, 2048),
+    ("fp8_per_tensor", 128, [2000] * 8, 100, 512),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["fast", "accurate"])
+@pytest.mark.parametrize("layout,page_size,lens,heads,topk", GPU_CASES)
+def test_rows_kernel_gpu(layout, page_size, lens, heads, topk, precision):
+    pool, batch, qn, qp, reads, real = make_case(layout, page_size, lens, heads, topk, device="cuda")
+    out = run(pool, batch, qn, qp, precision)
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_kernel_gpu_variants(layout):
+    """Accurate with V widened to fp16, and the tile/split knobs the benchmark sweeps."""
+    pool, batch, qn, qp, reads, real = make_case(layout, 16, [3000, 17], 64, topk=1024, device="cuda")
+    ref = reference(qn, qp, real, reads, SM)
+    assert rel_err(run(pool, batch, qn, qp, "accurate", pv="f16"), ref) < TOL["accurate"]
+    for kw in (dict(block_n=32, num_splits=7), dict(block_h=32, block_n=128, num_stages=3), dict(pv="f16")):
+        assert rel_err(run(pool, batch, qn, qp, "fast", **kw), ref) < TOL["fast"]
