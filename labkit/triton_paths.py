@@ -129,3 +129,30 @@ register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv
                  min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",
                  note="refuses FP8 KV like FlashInfer's static_assert(sizeof(DType) == 2)"))
+
+
+# FP8 rows by id (dense page table or sparse top-k slots), both FP8 row layouts, both precisions
+from labkit.kernels.mla_decode_fp8_rows import mla_decode_fp8_rows  # noqa: E402
+
+
+def _fp8_rows(precision: str):
+    def run(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+        """Token rows of ``pool.rows(layer)`` by page table (dense) or ``batch.token_indices`` (sparse)."""
+        ds = pool.kv_layout == "fp8_ds_mla"
+        common = dict(sm_scale=sm_scale, kv_layout=pool.kv_layout, k_scale=1.0 if ds else pool.scale(layer),
+                      precision=precision)
+        if batch.token_indices is not None:
+            return mla_decode_fp8_rows(q_nope, q_pe, pool.rows(layer), token_indices=batch.token_indices, **common)
+        return mla_decode_fp8_rows(q_nope, q_pe, pool.rows(layer), kv_indptr=batch.kv_indptr,
+                                   kv_indices=batch.kv_indices, kv_lens=batch.kv_lens, page_size=pool.page_size,
+                                   max_len=batch.max_len, **common)
+    return run
+
+
+for _name, _prec, _how in (("triton_rows", "fast", "e4m3 query and p, FP8 dots for both products"),
+                           ("triton_rows_acc", "accurate", "query and p each hi + lo e4m3 terms: 4 FP8 dots")):
+    register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_rows(_prec), kv_dtypes=("fp8_e4m3",),
+                     kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), precision=_prec, dense=True, sparse=True,
+                     min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                     kernel=f"Triton mla_decode_fp8_rows: rows by id, {_how}",
+                     note="ds_mla group scales folded into the scores and into p per 128-column group"))
