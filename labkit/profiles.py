@@ -10,6 +10,7 @@ on a CPU (what ``pytest --nbval-lax`` executes). A profile overrides some of the
 """
 from __future__ import annotations
 
+from . import kvlayout
 from .config import LabParams
 
 PAGE_SIZE = 64
@@ -29,6 +30,10 @@ DEFAULTS = dict(
     context_sweep=[256, 1024],  # tokens per request, at sweep_batch and the model's heads per GPU
     sweep_batch=2,
     sweep_context=512,
+    # DSA sparse decode (05): None = the model's index_topk / index_n_heads
+    index_topk=None, index_n_heads=None, kv_layout="fp8_per_tensor",
+    sparse_contexts=[128, 512],  # tokens per request, at sparse_batch requests (one shorter than tiny's top-256)
+    sparse_batch=2,
     # where records and figures go (set by labkit run; None: data/runs/interactive)
     run_dir=None,
     runs=[],  # 04: more run folders or globs to report beside run_dir
@@ -40,16 +45,19 @@ PROFILES = {
         pool_tokens=16384, batch_size=4, context_lens=1024, warmup_ms=20, rep_ms=150,
         pool_sweep=[4096, 16384, 65536, 131072], batch_sweep=[1, 4, 8, 12, 16],
         context_sweep=[256, 1024, 4096], sweep_batch=4, sweep_context=1024,
+        sparse_contexts=[128, 1024, 4096], sparse_batch=4,
     ),
     "cpu-triton": dict(
         impl="triton", num_layers=1, pool_tokens=4096, batch_size=2, context_lens=256, warmup_ms=1, rep_ms=1,
         pool_sweep=[1024, 4096, 16384], batch_sweep=[1, 4, 8, 16], heads_sweep=[8, 16, 64],
         context_sweep=[64, 256], sweep_batch=2, sweep_context=256,
+        sparse_contexts=[128, 512], sparse_batch=2,
     ),
     "gpu-quick": dict(
         model="glm5", num_layers=4, tp_size=4, pool_tokens=131072, batch_size=1, context_lens=8192,
         warmup_ms=25, rep_ms=100, pool_sweep=[16384, 32768, 65536, 131072],
         batch_sweep=[1, 4, 8, 16], context_sweep=[1024, 8192, 32768], sweep_batch=16, sweep_context=8192,
+        sparse_contexts=[4096, 32768], sparse_batch=16,
     ),
     "gpu-seed": dict(
         model="glm5", num_layers=None, tp_size=4, pool_tokens=SEED_POOL_TOKENS, batch_size=1,
@@ -57,6 +65,8 @@ PROFILES = {
         pool_sweep=[32768, 65536, 131072, 262144, SEED_POOL_TOKENS],
         batch_sweep=[1, 8, 16, 32, 48, 60],  # 60 x 8K reads 99% of the pool
         context_sweep=[1024, 4096, 8192, 32768], sweep_batch=64, sweep_context=8192,
+        # 64 requests x up to 128K tokens: one fitted layer per context (8.4M tokens at 128K)
+        sparse_contexts=[2048, 8192, 32768, 131072], sparse_batch=64,
     ),
 }
 
@@ -94,8 +104,13 @@ def check(params: dict) -> LabParams:
         v = params[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise ValueError(f"{name}={v!r}: must be a positive number of milliseconds")
-    for name in ("sweep_batch", "sweep_context"):
+    for name in ("sweep_batch", "sweep_context", "sparse_batch"):
         _positive_ints(name, [params[name]], scalar=True)
+    for name in ("index_topk", "index_n_heads"):
+        if params[name] is not None:
+            _positive_ints(name, [params[name]], scalar=True)
+    kvlayout.check_layout(params["kv_layout"])
+    _positive_ints("sparse_contexts", params["sparse_contexts"])
     _positive_ints("pool_sweep", params["pool_sweep"])
     _positive_ints("batch_sweep", params["batch_sweep"])
     _positive_ints("context_sweep", params["context_sweep"])

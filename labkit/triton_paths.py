@@ -1,8 +1,11 @@
 """The decode paths with Triton kernels, registered as backends ``<path>.triton`` (and the seed's).
 
-    full_pool_cast.triton  Triton whole-layer FP8 -> BF16 cast, then Triton ``mla_decode``
-    full_pool_cast.seed    torch ``.to()`` of the whole layer, then Triton ``mla_decode``: the seed's server
-    gather_cast.triton     fused gather + cast of the batch's pages, ``mla_decode`` on the compact table
+    full_pool_cast.triton  Triton whole-layer FP8 -> BF16 cast (``fp8_to_bf16``; ``ds_mla_to_bf16`` for
+                           the 656-byte rows), then Triton ``mla_decode``
+    full_pool_cast.seed    torch ``.to()`` of the whole layer (ds_mla: torch dequantization), then Triton
+                           ``mla_decode``: the seed's server (with DSA when the batch is sparse)
+    gather_cast.triton     fused gather + cast of the batch's pages (sparse: of its selected token rows),
+                           ``mla_decode`` on the compact table
     fp8_native.triton      ``mla_decode_fp8(q_fp8=False)``: FP8 pages read directly, no 16-bit copy of
                            KV, 16-bit query: the same numbers as the cast paths (~1e-3 rel. error)
     fp8_native.triton_q8   ``mla_decode_fp8`` as it defaults: query in FP8 too (the trtllm_mla way),
@@ -16,13 +19,17 @@
 
 Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
 ckv is both K and V) into the output, so the casts are exact widenings of the stored values.
+``fp8_ds_mla`` rows are dequantized with their power-of-two group scales (exact in BF16): k_scale = 1.
+Sparse batches (the four 16-bit paths): ``mla_decode`` runs them as a table of one-token pages whose
+kv_indices are the slots; the valid counts are summed on the device (the -1s are a suffix).
 Imported by ``labkit.backends._load_optional``.
 """
 from __future__ import annotations
 
 import torch
 
-from labkit.backends import ALL_PAGE_SIZES, Backend, register
+from labkit.backends import ALL_LAYOUTS, ALL_PAGE_SIZES, Backend, register
+from labkit.kernels.ds_mla_to_bf16 import ds_mla_to_bf16
 from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
@@ -31,6 +38,7 @@ from labkit.kernels.mla_decode_fp8_gluon import MAX_HEADS as GLUON_MAX_HEADS, ml
 from labkit.kernels.mla_decode_fp8_tma import MAX_HEADS as TMA_MAX_HEADS, mla_decode_fp8_tma
 
 from .kvpool import DecodeBatch, KVPool
+from .torch_paths import k_scale_of, widen16
 
 FP8_SM = (8, 9)  # Triton's float8e4nv needs sm_89+ (Ada, Hopper, Blackwell)
 TMA_SM = (9, 0)  # tensor-memory-access descriptors and wgmma: Hopper and later
@@ -38,31 +46,61 @@ BF16_SM = (8, 0)  # bf16 tensor cores
 
 
 def _decode16(q_nope, q_pe, kv, batch: DecodeBatch, sm_scale: float, k_scale: float):
-    return mla_decode(q_nope, q_pe, kv, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                      sm_scale * k_scale, v_scale=k_scale, max_len=batch.max_len)
+    """``mla_decode`` over 16-bit kv [num_pages, page_size, 576]. A sparse batch (token_indices
+    [B, topk] int32, -1 a suffix) runs as one-token pages: token t is row t of kv.flatten(0, 1)."""
+    slots = batch.token_indices
+    if slots is None:
+        return mla_decode(q_nope, q_pe, kv, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                          sm_scale * k_scale, v_scale=k_scale, max_len=batch.max_len)
+    B, topk = slots.shape
+    kv_indptr = torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=slots.device)
+    kv_lens = (slots >= 0).sum(-1, dtype=torch.int32)  # valid slots, counted on the device
+    return mla_decode(q_nope, q_pe, kv.flatten(0, 1)[:, None], kv_indptr, slots.flatten(), kv_lens,
+                      sm_scale * k_scale, v_scale=k_scale, max_len=min(topk, batch.max_len))
 
 
 def full_pool_cast_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """Cast the WHOLE layer with the Triton cast kernel (P * 3 B moved), then attend over it."""
+    """Cast the WHOLE layer with a Triton cast kernel (P * 3 B moved; ds_mla P * (656 + 1152) B), then
+    attend over it (dense, or the slots of a sparse batch)."""
     buf = pool.layer(layer)
-    kv = fp8_to_bf16(buf) if buf.dtype == torch.float8_e4m3fn else buf  # [num_pages, page_size, 576]
-    return _decode16(q_nope, q_pe, kv.to(q_nope.dtype), batch, sm_scale, pool.scale(layer))
+    if pool.kv_layout == "fp8_ds_mla":
+        kv = ds_mla_to_bf16(buf)  # [num_pages, page_size, 576] bf16, group scales applied
+    else:
+        kv = fp8_to_bf16(buf) if buf.dtype == torch.float8_e4m3fn else buf
+    return _decode16(q_nope, q_pe, kv.to(q_nope.dtype), batch, sm_scale, k_scale_of(pool, layer))
 
 
 def full_pool_cast_seed(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """The seed's server: ``get_key_buffer(layer).to(q.dtype)`` (torch, whole layer), then attend."""
-    kv = pool.layer(layer).to(q_nope.dtype)
-    return _decode16(q_nope, q_pe, kv, batch, sm_scale, pool.scale(layer))
+    """The seed's server: ``get_key_buffer(layer).to(q.dtype)`` (torch, whole layer; ds_mla: torch
+    dequantization), then attend (dense, or the slots of a sparse batch: the seed's server with DSA)."""
+    kv = widen16(pool.layer(layer), pool, q_nope.dtype)
+    return _decode16(q_nope, q_pe, kv, batch, sm_scale, k_scale_of(pool, layer))
+
+
+def _gather16(pool: KVPool, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    """What the batch reads, gathered and cast in one Triton pass (a copy for a BF16 pool): its pages
+    [nnz, page_size, 576] when dense; its slots' rows as one-token pages [B * topk, 1, 576] when sparse
+    (topk per request whatever the context; a -1 slot gives a zero row)."""
+    slots = batch.token_indices
+    src, idx = (pool.layer(layer), batch.kv_indices) if slots is None else (pool.rows(layer)[:, None], slots.flatten())
+    if pool.kv_layout == "fp8_ds_mla":
+        return ds_mla_to_bf16(src, idx)
+    if pool.kv_layout == "fp8_per_tensor":
+        return gather_cast(src, idx)
+    return src[idx.long().clamp_min(0)]
 
 
 def gather_cast_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """Gather and cast only the batch's pages in one Triton pass, attend over the compact copy."""
-    buf = pool.layer(layer)
-    if buf.dtype == torch.float8_e4m3fn:
-        kv = gather_cast(buf, batch.kv_indices)  # [nnz, page_size, 576] bf16
-    else:
-        kv = buf[batch.kv_indices.long()]
-    return _decode16(q_nope, q_pe, kv.to(q_nope.dtype), batch.compact(), sm_scale, pool.scale(layer))
+    """Gather and cast only what the batch reads (its pages, or its selected rows), attend over the
+    compact copy."""
+    kv = _gather16(pool, layer, batch).to(q_nope.dtype)
+    slots = batch.token_indices
+    if slots is None:
+        compact = batch.compact()
+    else:  # slot j of request b is row b * topk + j of the copy
+        own = torch.arange(slots.numel(), dtype=torch.int32, device=slots.device).view(slots.shape)
+        compact = batch.with_slots(torch.where(slots >= 0, own, -1))
+    return _decode16(q_nope, q_pe, kv, compact, sm_scale, k_scale_of(pool, layer))
 
 
 def fp8_native_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
@@ -90,20 +128,21 @@ def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch,
 
 
 def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """The 16-bit kernel on a pool already in BF16; FP8 pages are refused by mla_decode itself."""
+    """The 16-bit kernel on a pool already in BF16 (dense or sparse); FP8 pages are refused by
+    mla_decode itself."""
     return _decode16(q_nope, q_pe, pool.layer(layer), batch, sm_scale, pool.scale(layer))
 
 
 register(Backend("full_pool_cast.triton", "full_pool_cast", "triton", full_pool_cast_triton,
-                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton fp8_to_bf16 (whole layer) + Triton mla_decode",
                  note="casts the whole layer each call: P*(1+2) B before attention"))
 register(Backend("full_pool_cast.seed", "full_pool_cast", "seed", full_pool_cast_seed,
-                 min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="torch .to() (whole layer) + Triton mla_decode",
                  note="exactly the seed's server: get_key_buffer(layer).to(q.dtype)"))
 register(Backend("gather_cast.triton", "gather_cast", "triton", gather_cast_triton,
-                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton gather_cast (batch pages) + Triton mla_decode on the compact table"))
 register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton, kv_dtypes=("fp8_e4m3",),
                  kv_layouts=("fp8_per_tensor",),
@@ -126,7 +165,7 @@ register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon, kv
                  runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
                  note="V^T is a register operand (no 16-bit copy of V); p in e4m3: ~1e-2 relative error"))
 register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",), kv_layouts=("bf16",),
-                 min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",
                  note="refuses FP8 KV like FlashInfer's static_assert(sizeof(DType) == 2)"))
 
