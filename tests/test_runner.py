@@ -95,7 +95,8 @@ def test_notebook_parameter_cells_hold_the_defaults():
 def test_select_by_number_or_name_in_order():
     stems = [nb.stem for nb in runner.select(["03", "01_profile_full_pool_cast", "01"])]
     assert stems == ["01_profile_full_pool_cast", "03_fp8_native_backends"]
-    assert [nb.stem[:2] for nb in runner.select()] == ["00", "01", "02", "03", "04"]
+    assert [nb.stem[:2] for nb in runner.select()] == ["00", "01", "02", "03", "05", "04"]  # the report last
+    assert [nb.stem[:2] for nb in runner.select(["04", "05"])] == ["05", "04"]
 
 
 def test_dry_run_prints_the_plan(capsys, tmp_path):
