@@ -1,15 +1,19 @@
-"""`labkit run`: parameters checked before any work, profiles, notebook selection, failures."""
+"""`labkit run`: parameters checked before any work, profiles, notebook selection, failures, a run
+killed (SIGKILL) or interrupted (Ctrl-C)."""
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import nbformat
 import papermill as pm
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit import cli, config, profiles, runner
+from labkit import cli, config, profiles, results, runner
 
 
 def run_cli(capsys, *argv):
@@ -130,3 +134,70 @@ def test_a_failing_notebook_stops_the_run_naming_notebook_and_cell(monkeypatch, 
     partial = nbformat.read(failed / "01_bad.ipynb", as_version=4)
     assert any(o.get("ename") == "ValueError" for c in partial.cells for o in c.get("outputs", []))
     assert (failed / "params.json").exists() and (failed / "kernels.log").exists()
+    assert not (failed / results.FINISHED).exists()
+
+
+# -- runs killed or interrupted: a real `labkit run` on the CPU in its own process group ------------
+SMALL = ["--profile", "cpu-small", "-p", "pool_sweep", "[8192]", "--no-progress"]
+
+
+def _start(tmp_path, *argv):
+    exe = runner.NOTEBOOKS_DIR.parent / ".venv" / "bin" / "labkit"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "labkit.cli"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LABKIT_RUN_DIR", results.ACTIVE_RUN_ENV)}
+    return subprocess.Popen(cmd + ["run", *argv, "--out", str(tmp_path / "runs")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _wait_for(proc, pattern, runs, timeout=400):
+    deadline = time.monotonic() + timeout
+    while not list(runs.glob(pattern)):
+        if proc.poll() is not None:
+            pytest.fail(f"labkit run ended (exit {proc.returncode}) before {pattern}: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {pattern} after {timeout} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.notebooks
+def test_sigkill_leaves_a_folder_that_load_runs_and_the_report_call_partial(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    proc = _start(tmp_path, "01", "02", *SMALL)
+    _wait_for(proc, "*/*.parquet", runs)  # 01 has written a record
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and its kernel, as an out-of-memory kill or a lost machine
+    proc.wait(timeout=60)
+    (folder,) = runs.iterdir()
+    assert not (folder / results.FINISHED).exists()
+    df = results.load_runs(folder)
+    assert len(df) and not df.run_finished.any() and set(df.run_state) == {"partial"}
+    monkeypatch.delenv("LABKIT_RUN_DIR", raising=False)
+    monkeypatch.delenv(results.ACTIVE_RUN_ENV, raising=False)
+    out = tmp_path / "04_report.ipynb"
+    pm.execute_notebook(str(runner.NOTEBOOKS_DIR / "04_report.ipynb"), str(out), kernel_name="python3",
+                        parameters=dict(run_dir=str(folder)), progress_bar=False, cwd=str(runner.NOTEBOOKS_DIR))
+    outputs = [o for c in nbformat.read(out, as_version=4).cells for o in c.get("outputs", [])]
+    printed = "".join(o.get("text", "") for o in outputs)
+    assert f"partial: 1 run(s) never finished (killed, failed or still running), their records are labelled " \
+           f"'(partial)': {folder.name}\n" in printed, printed
+    tables = "".join(str(o.get("data", {}).get("text/plain", "")) for o in outputs)
+    assert f"{folder.name} (partial)" in tables
+
+
+@pytest.mark.notebooks
+def test_ctrl_c_ends_with_one_line_naming_the_failed_folder(tmp_path):
+    runs = tmp_path / "runs"
+    proc = _start(tmp_path, "01", *SMALL)
+    _wait_for(proc, "*/01_*.ipynb", runs)  # papermill has started the notebook
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the run and its kernel
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == cli.EXIT_INTERRUPTED, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("labkit run: error: interrupted; partial run kept in "), err
+    assert lines[-2].startswith("[1/1] 01_"), err  # nothing between the progress line and the verdict
+    (folder,) = runs.iterdir()
+    assert folder.name.endswith("-cpu-failed") and str(folder) in lines[-1]
+    assert (folder / "params.json").exists() and not (folder / results.FINISHED).exists()
+    assert set(results.load_runs(folder).run_state) <= {"partial"}
