@@ -1,7 +1,9 @@
 """Gather the pages a batch reads from an FP8 pool and widen them to BF16, in one fused pass.
 
 The output is the compact pool of the batch: its page j is the pool's page ``kv_indices[j]``, so
-the batch reads it through ``batch.compact()`` (kv_indices = arange(nnz)).
+the batch reads it through ``batch.compact()`` (kv_indices = arange(nnz)). A sparse batch gathers
+its token rows: pass the pool as one-token pages (``rows[:, None]``) and its slots as page ids; a
+-1 id is a zero page and reads nothing (the slots' padding).
 Bytes moved: nnz * page_size * D * (1 read + 2 written); no FLOPs.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _gather_cast_kernel(
     kv_ptr,  # *fp8e4nv [num_pages, page_size, D]; a page is PAGE_ELEMS contiguous values
-    idx_ptr,  # *i32 [nnz] page ids
+    idx_ptr,  # *i32 [nnz] page ids, -1 = none (zero-filled, not read)
     out_ptr,  # *bf16 [nnz, page_size, D], contiguous
     nnz,  # pages to gather
     stride_page,  # kv_buffer.stride(0), in elements
@@ -26,10 +28,10 @@ def _gather_cast_kernel(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] value within a page
     cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_C), BLOCK_C)
     rmask = rows < nnz
-    page = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)  # [ROWS]
-    src = kv_ptr + (page * stride_page)[:, None] + cols[None, :]
+    page = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)  # [ROWS]
+    src = kv_ptr + (tl.maximum(page, 0) * stride_page)[:, None] + cols[None, :]
     dst = out_ptr + (rows.to(tl.int64) * PAGE_ELEMS)[:, None] + cols[None, :]
-    x = tl.load(src, mask=rmask[:, None])
+    x = tl.load(src, mask=(page >= 0)[:, None], other=0.0)
     tl.store(dst, x.to(tl.bfloat16), mask=rmask[:, None])
 
 
@@ -42,7 +44,8 @@ def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int 
     kv_buffer : torch.Tensor
         [num_pages, page_size, D] ``torch.float8_e4m3fn``; each page contiguous (page stride free).
     kv_indices : torch.Tensor
-        [nnz] ``torch.int32`` page ids, each in [0, num_pages) (not checked on the device).
+        [nnz] ``torch.int32`` page ids, each in [0, num_pages) (not checked on the device) or -1
+        (none: that output page is zeros, nothing is read).
     tile, num_warps : tuning (values per program, a power of two; warps per program).
 
     Returns

@@ -18,12 +18,12 @@ from . import kvlayout
 from .kvpool import DecodeBatch, KVPool
 
 
-def _k_scale(pool: KVPool, layer: int) -> float:
+def k_scale_of(pool: KVPool, layer: int) -> float:
     """The per-tensor scale folded into sm_scale and the output; 1.0 where rows carry their own."""
     return 1.0 if pool.kv_layout == "fp8_ds_mla" else pool.scale(layer)
 
 
-def _to16(stored: torch.Tensor, pool: KVPool, dtype: torch.dtype) -> torch.Tensor:
+def widen16(stored: torch.Tensor, pool: KVPool, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows [..., row] -> [..., 576] in ``dtype``: a widening (ds_mla: e4m3 x group scale)."""
     if pool.kv_layout == "fp8_ds_mla":
         with record_function("cast"):
@@ -56,8 +56,8 @@ def full_pool_cast(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, s
     """What the seed's server did: ``.to()`` the WHOLE layer buffer to 16 bits (ds_mla: dequantize
     it with its group scales), then attend: over the contexts, or over the slots of a sparse batch
     (the seed's server with DSA: the whole layer is still cast)."""
-    kv = _to16(pool.layer(layer), pool, q_nope.dtype)  # [num_pages, page_size, 576]: a copy of the whole pool
-    k_scale = _k_scale(pool, layer)
+    kv = widen16(pool.layer(layer), pool, q_nope.dtype)  # [num_pages, page_size, 576]: a copy of the whole pool
+    k_scale = k_scale_of(pool, layer)
     return attend_16bit(q_nope, q_pe, kv, batch, sm_scale * k_scale, k_scale)
 
 
@@ -65,14 +65,14 @@ def gather_cast(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_s
     """Gather only what the batch reads, cast those, attend over the compact copy: the batch's pages
     (dense) or its selected rows (sparse: topk rows per request whatever the context, a -1 slot
     gathers row 0 and is never attended)."""
-    k_scale = _k_scale(pool, layer)
+    k_scale = k_scale_of(pool, layer)
     slots = batch.token_indices
     if slots is None:
-        kv = _to16(pool.layer(layer)[batch.kv_indices.long()], pool, q_nope.dtype)  # [nnz, page_size, 576]
+        kv = widen16(pool.layer(layer)[batch.kv_indices.long()], pool, q_nope.dtype)  # [nnz, page_size, 576]
         return attend_16bit(q_nope, q_pe, kv, batch.compact(), sm_scale * k_scale, k_scale)
     B, topk = slots.shape
     rows = pool.rows(layer)[slots.flatten().clamp_min(0).long()]  # [B * topk, row] as stored
-    kv = _to16(rows, pool, q_nope.dtype)[:, None]  # [B * topk, 1, 576]: one-token pages
+    kv = widen16(rows, pool, q_nope.dtype)[:, None]  # [B * topk, 1, 576]: one-token pages
     own = torch.arange(B * topk, dtype=torch.int32, device=slots.device).view(B, topk)
     compact = batch.with_slots(torch.where(slots >= 0, own, -1))  # slot j of request b is row b * topk + j
     return attend_16bit(q_nope, q_pe, kv, compact, sm_scale * k_scale, k_scale)
@@ -95,7 +95,7 @@ def fp8_native(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_sc
     """Read the FP8 rows a tile at a time (the pages, or the selected slots of a sparse batch), widen
     in fp32 (ds_mla: times its group scales), online softmax; no 16-bit copy of KV."""
     B, H, d_ckv = q_nope.shape
-    k_scale = _k_scale(pool, layer)
+    k_scale = k_scale_of(pool, layer)
     q = torch.cat([q_nope, q_pe], dim=-1).float()
     out = torch.empty(B, H, d_ckv, dtype=q_nope.dtype, device=q_nope.device)
     for b in range(B):
