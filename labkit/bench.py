@@ -182,6 +182,9 @@ def main(argv=None) -> int:
     print()
     print(table(df).to_string())
     print(f"\n{len(rows)} records -> {path}")
+    if args.run_dir is None:  # a folder given by --run-dir belongs to its caller (gpu_study.sh), which marks it
+        what = "labkit bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        results.mark_finished(run_dir, what, records=len(rows))
     return 0
 
 
