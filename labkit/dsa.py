@@ -130,17 +130,21 @@ def on_pool(dl: DsaLab, path: str) -> study.Lab:
 
 
 def pick(dl: DsaLab, path: str, impl: str = "auto") -> backends.Backend:
-    """The backend of ``path`` for this sparse batch (``study.pick``); with ``auto``, when that one
-    refuses sparse batches or the layout, the fastest accurate one that takes them (``backends.select``)."""
+    """The backend of ``path`` (``study.pick``) or, when that one refuses this sparse batch or layout,
+    the first of its family that takes them, accurate ones first: e.g. ``fp8_native.triton`` is dense
+    only, ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
     lab = on_pool(dl, path)
-    b = study.pick(path, impl, dl.p.device)
-    try:
-        b.check(lab.q_nope, lab.pool, dl.sparse)
-        return b
-    except ValueError:
-        if impl != "auto":
-            raise
-        return backends.select(path, lab.q_nope, lab.pool, dl.sparse, precision="accurate")
+    first = study.pick(path, impl, dl.p.device)
+    family = [backends.get(n) for n in backends.names(path) if n.split(".", 1)[1].startswith(first.impl)]
+    family.sort(key=lambda b: b.precision != "accurate")
+    refusal = None
+    for b in [first] + family:
+        try:
+            b.check(lab.q_nope, lab.pool, dl.sparse)
+            return b
+        except ValueError as e:
+            refusal = refusal or e
+    raise refusal
 
 
 def sparse_layer(dl: DsaLab, plan, layer: int, kv_layer: int) -> torch.Tensor:
