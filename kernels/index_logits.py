@@ -82,7 +82,8 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     k_idx : [num_index_pages, 64, D] torch.float8_e4m3fn, rows contiguous (any page stride: a
         view into the packed 64 * (D + 4)-byte pages).
     k_scale : [num_index_pages, 64] torch.float32, rows contiguous (any page stride).
-    kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 KV page ids; kv_lens : [B] int32.
+    kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 KV page ids; kv_lens : [B] int32, each >= 1
+        (not checked on the device).
     page_size : KV page size (a power of two); max_len : max(kv_lens), known on the host.
     block_t, num_warps : tuning (positions per program, a power of two >= 16; warps).
 

@@ -35,7 +35,6 @@ from .kvlayout import E4M3_MAX
 from .kvpool import DecodeBatch, KVPool
 
 INDEX_PAGE = 64  # tokens per index-key page
-IMPLS = ("reference", "torch", "triton")
 
 
 def index_page_bytes(head_dim: int = 128) -> int:

@@ -23,10 +23,10 @@ TINY = config.load_model("tiny")
 U = 2.0**-24  # fp32 unit roundoff
 
 
-def _case(page_size, lens, layers=2, seed=0, topk=32, cfg=TINY):
+def _case(page_size, lens, layers=2, seed=0, topk=32, cfg=TINY, device="cpu"):
     # the pool is a few pages larger than needed and its size is not a multiple of 64 at page size 1
     ptok = page_size * (sum(-(-n // page_size) for n in lens) + 3)
-    pool = kvpool.random_pool(layers, ptok, page_size, seed=seed)
+    pool = kvpool.random_pool(layers, ptok, page_size, seed=seed, device=device)
     batch = kvpool.batch_for_pool(pool, lens, seed=seed + 1)
     return Indexer(cfg, pool, batch, seed=seed, index_topk=topk)
 
@@ -38,14 +38,15 @@ def _ids(batch, b):
     return ids[: batch.lens_host[b]]
 
 
-def _bound(ix, layer):
-    """[B, max_len] float64 error bound of fp32 logits (module docstring); 0 past each length."""
+def _bound(ix, layer, rel=None):
+    """[B, max_len] float64 error bound of fp32 logits, rel * M with rel = (D + H + 2) * 2^-24 by
+    default (module docstring); 0 past each length. On the CPU."""
     D, H = ix.cache.head_dim, ix.q_idx.shape[2]
     out = torch.zeros(ix.batch.batch_size, ix.batch.max_len, dtype=torch.float64)
     for b in range(ix.batch.batch_size):
-        k, scale = ix.cache.keys(layer, torch.tensor(_ids(ix.batch, b)))
+        k, scale = ix.cache.keys(layer, torch.tensor(_ids(ix.batch, b), device=ix.pool.device))
         mag = ix.weights[layer, b].double().abs() @ (ix.q_idx[layer, b].double().abs() @ k.double().abs().T)
-        out[b, : len(mag)] = (D + H + 2) * U * scale.double() * mag
+        out[b, : len(mag)] = ((D + H + 2) * U if rel is None else rel) * (scale.double() * mag).cpu()
     return out
 
 
@@ -273,3 +274,23 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="weights has dtype"):
         index_logits(ix.q_idx[0], ix.weights[0].double(), ix.cache.k_idx(0), ix.cache.k_scale(0),
                      ix.batch.kv_indptr, ix.batch.kv_indices, ix.batch.kv_lens, 16, 40)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page_size,block_t", [(64, 64), (1, 128), (16, 32)])
+def test_gpu_glm5_logits_and_topk(page_size, block_t):
+    """GLM-5 shapes on the device. Hopper's FP8 MMA keeps only about 14 mantissa bits in its
+    accumulator (DeepSeek-V3 report), so the bound there is 2^-12 * M instead of ~2^-17 * M."""
+    cfg = config.load_model("glm5")
+    ix = _case(page_size, [1, 2047, 2048, 2049, 9000, 20000], layers=1, seed=12, topk=cfg.index_topk,
+               cfg=cfg, device="cuda")
+    ref, bound = ix.logits(0, "reference").cpu(), _bound(ix, 0, rel=2.0**-12)
+    b = ix.batch
+    got = index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
+                       b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=block_t)
+    for logits in (got, ix.logits(0, "torch")):
+        _check_logits(logits.cpu(), ref, bound)
+        slots = select_tokens(logits, b, cfg.index_topk)
+        _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
