@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The lab's GPU study on an offline NVIDIA GPU machine (seen on an H200), in one go: the benchmark
 # grid with the peers, every notebook at the seed's scale (profile gpu-seed), the GPU-marked tests,
-# the kernel variant grid and the TMA and Gluon kernels' side-by-side tables, into one run folder packed as one
+# the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels tma gluon"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh (-> .whl/) and, for the FlashInfer peers,
@@ -12,9 +12,11 @@
 # Such a copy has no .git: pass the revision it was made from as LAB_GIT_REV (results record it):
 #   LAB_GIT_REV=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty) bash scripts/gpu_study.sh
 # Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others.
+# The run folder gets finished.json (labkit.results.FINISHED) last, and only when every stage exited 0;
+# without it load_runs and the report call its records partial (stages.log says which stage failed).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/lab-out}}
-stages=${STAGES:-bench notebooks tests kernels tma gluon}
+stages=${STAGES:-bench notebooks tests kernels gluon}
 cd "$(dirname "$0")/.."
 site=/tmp/site
 mkdir -p "$site" "$out"
@@ -30,8 +32,12 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log into the run folde
   echo "== $name (limit ${secs}s): $*" | tee -a "$run_dir/stages.log"
   local t0=$SECONDS
   timeout "$secs" "$@" > >(tee "$run_dir/$name.log") 2>&1
-  echo "== $name: exit $? after $((SECONDS - t0))s" | tee -a "$run_dir/stages.log"
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$run_dir/stages.log"
+  exits+=("$name=$rc")
+  [ "$rc" -eq 0 ] || failed+=("$name")
 }
+exits=() failed=()
 for s in $stages; do
   case $s in
     bench) stage bench "${T_bench:-200}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" ;;
@@ -39,12 +45,18 @@ for s in $stages; do
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
     tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
-             tests/test_study.py tests/test_gluon.py ;;
+             tests/test_study.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
-    tma) stage tma "${T_tma:-150}" python3 scripts/gpu_tma.py --out "$run_dir/tma" ;;
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
   esac
 done
+if [ ${#failed[@]} -eq 0 ]; then
+  python3 -c 'import sys; from labkit import results
+results.mark_finished(sys.argv[1], "scripts/gpu_study.sh", stages={a.split("=")[0]: int(a.split("=")[1]) for a in sys.argv[2:]})' \
+    "$run_dir" "${exits[@]}" && echo "finished: $run_dir/finished.json"
+else
+  echo "not marked finished: stage(s) ${failed[*]} failed (stages.log)" | tee -a "$run_dir/stages.log"
+fi
 tar czf "$out/run.tgz" -C "$(dirname "$run_dir")" "$(basename "$run_dir")"
 cp "$run_dir/stages.log" "$out/" 2>/dev/null
 echo "packed $(du -sh "$out/run.tgz" | cut -f1) -> $out/run.tgz"
