@@ -10,10 +10,12 @@ allocated before it (the returned output counts, it is alive at the end):
 
 Predicted (``predicted_extra_bytes``), what a fused implementation must allocate:
     full_pool_cast  P*1152                 a BF16 copy of the whole layer (none for a BF16 pool)
-    gather_cast     L*1152                 a BF16 copy of the rows read (L in whole pages)
+    gather_cast     L*1152                 a BF16 copy of the rows read (L in whole pages; for a
+                                           sparse batch B*topk rows: the copy has a fixed shape)
     fp8_native      B*H*splits*(512+1)*4   float32 split-KV partial outputs and their LSEs
     bf16_pool       0
-plus the output B*H*512*2 for every path.
+plus the output B*H*512*2 for every path. The copies are BF16 whatever the stored row (576 B
+fp8_per_tensor, 656 B fp8_ds_mla): ``kv_layout`` only tells whether there is anything to cast.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .config import KV_BYTES
+from . import kvlayout
+from .roofline import layout_of
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -77,14 +80,14 @@ def extra_memory(fn, device) -> int:
 
 def predicted_extra_bytes(path: str, pool_tokens: int, tokens_read: int, batch: int, heads: int,
                           kv_dtype: str = "fp8_e4m3", num_splits: int = 1, d_ckv: int = 512,
-                          d_kpe: int = 64) -> int:
-    """Bytes a fused ``path`` must allocate for one layer (see module docstring)."""
-    if kv_dtype not in KV_BYTES:
-        raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {sorted(KV_BYTES)}")
+                          d_kpe: int = 64, kv_layout: str | None = None) -> int:
+    """Bytes a fused ``path`` must allocate for one layer (see module docstring); ``kv_layout``
+    (labkit.kvlayout name) overrides what ``kv_dtype`` means."""
+    layout = kvlayout.check_layout(layout_of(kv_dtype, kv_layout))
     bf16_row = (d_ckv + d_kpe) * 2
     out = batch * heads * d_ckv * 2
     if path == "full_pool_cast":
-        return (0 if kv_dtype == "bf16" else pool_tokens * bf16_row) + out
+        return (0 if layout == "bf16" else pool_tokens * bf16_row) + out
     if path == "gather_cast":
         return tokens_read * bf16_row + out
     if path == "fp8_native":

@@ -2,12 +2,15 @@
 
 Per layer, P = pool tokens, L = tokens the batch reads, B = requests, H = heads on the GPU:
 
-    full_pool_cast  P*(576*kv + 1152)  + L*1152      cast the whole layer, attend over the copy
-    gather_cast     L*(576*kv + 1152)  + L*1152      cast only what is read (fused gather+cast)
-    fp8_native      L*576*kv                         attention reads the pool as stored
-    bf16_pool       L*1152                           a 16-bit kernel on a pool already in BF16
+    full_pool_cast  P*(row + 1152)  + L*1152      cast the whole layer, attend over the copy
+    gather_cast     L*(row + 1152)  + L*1152      cast only what is read (fused gather+cast)
+    fp8_native      L*row                         attention reads the pool as stored
+    bf16_pool       L*1152                        a 16-bit kernel on a pool already in BF16
 
-``kv`` is bytes per stored value (1 for FP8, 2 for BF16; a BF16 pool has nothing to cast).
+``row`` is the stored bytes per token of the ``kv_layout`` (labkit.kvlayout): 576 fp8_per_tensor,
+656 fp8_ds_mla (512 e4m3 + 4 fp32 group scales + 64 bf16), 1152 bf16 (a BF16 pool has nothing to
+cast). L of a sparse (DSA) batch is its valid slots, topk per request or the context when shorter:
+``DecodeBatch.tokens_read``.
 Every path also reads q (B*H*576*2) and writes out (B*H*512*2): counted for all paths, so the
 paths compare on equal terms. These are the fewest bytes each path must move: the torch
 implementations move more (e.g. ``gather_cast.torch`` writes an FP8 gathered copy first).
@@ -23,20 +26,38 @@ from pathlib import Path
 import torch
 
 from .config import KV_BYTES
+from .kvlayout import KV_LAYOUTS
 from .results import atomic_write_text
 
 PATHS = ("full_pool_cast", "gather_cast", "fp8_native", "bf16_pool")
 BF16 = 2
 
 
-def path_bytes(path: str, pool_tokens: int, tokens_read: int, kv_dtype: str = "fp8_e4m3", heads: int = 0,
-               batch: int = 0, d_ckv: int = 512, d_kpe: int = 64) -> int:
-    """Bytes one layer of ``path`` must move through device memory (see the module docstring)."""
+def stored_row_bytes(kv_layout: str, d_ckv: int = 512, d_kpe: int = 64) -> int:
+    """Bytes one token's latent row takes in the pool: 576 / 656 / 1152 for the GLM-5 shape."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r}; allowed: {list(KV_LAYOUTS)}")
+    if kv_layout == "fp8_ds_mla":  # e4m3 NoPE, an fp32 scale per 128 of it, BF16 RoPE
+        return d_ckv + 4 * (d_ckv // 128) + d_kpe * BF16
+    return (d_ckv + d_kpe) * (BF16 if kv_layout == "bf16" else 1)
+
+
+def layout_of(kv_dtype: str, kv_layout: str | None = None) -> str:
+    """``kv_layout``, else the layout ``kv_dtype`` means ("fp8_e4m3" -> "fp8_per_tensor")."""
     if kv_dtype not in KV_BYTES:
         raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {sorted(KV_BYTES)}")
+    return kv_layout or ("bf16" if kv_dtype == "bf16" else "fp8_per_tensor")
+
+
+def path_bytes(path: str, pool_tokens: int, tokens_read: int, kv_dtype: str = "fp8_e4m3", heads: int = 0,
+               batch: int = 0, d_ckv: int = 512, d_kpe: int = 64, kv_layout: str | None = None) -> int:
+    """Bytes one layer of ``path`` must move through device memory (see the module docstring).
+
+    ``kv_layout`` (labkit.kvlayout name) sets the stored row; None: the one ``kv_dtype`` means."""
+    layout = layout_of(kv_dtype, kv_layout)
     row = d_ckv + d_kpe  # values per token: 576
-    kv = KV_BYTES[kv_dtype]
-    cast = row * (kv + BF16) if kv != BF16 else 0  # read stored + write BF16, per cast token
+    stored = stored_row_bytes(layout, d_ckv, d_kpe)
+    cast = stored + row * BF16 if layout != "bf16" else 0  # read stored + write BF16, per cast token
     attend16 = tokens_read * row * BF16  # a 16-bit kernel reads the BF16 rows
     q_out = batch * heads * (row + d_ckv) * BF16
     if path == "full_pool_cast":
@@ -44,7 +65,7 @@ def path_bytes(path: str, pool_tokens: int, tokens_read: int, kv_dtype: str = "f
     if path == "gather_cast":
         return tokens_read * (cast or row * 2 * BF16) + attend16 + q_out  # BF16 pool: still a copy
     if path == "fp8_native":
-        return tokens_read * row * kv + q_out
+        return tokens_read * stored + q_out
     if path == "bf16_pool":
         return attend16 + q_out
     raise ValueError(f"path={path!r}; allowed: {list(PATHS)}")
@@ -104,7 +125,7 @@ def measure_ceilings(device="cuda", cache_dir=None, copy_bytes: int | None = Non
 def achieved(path: str, time_ms: float, ceilings: Ceilings, **shape) -> dict:
     """Achieved rates of one layer of ``path`` taking ``time_ms``, against the ceilings.
 
-    ``shape``: pool_tokens, tokens_read, heads, batch, kv_dtype, d_ckv, d_kpe (as path_bytes).
+    ``shape``: pool_tokens, tokens_read, heads, batch, kv_dtype, d_ckv, d_kpe, kv_layout (as path_bytes).
     Percentages are 0..100. ``roofline_ms`` = max(bytes / copy bandwidth, FLOPs / matmul rate);
     ``bound`` names the larger term; ``pct_roofline`` = roofline_ms / time_ms * 100.
     """
