@@ -43,7 +43,7 @@ SCOPE_PREFIX = "labkit.scope:"
 # Python functions whose whole body is one stage of the decode (labkit.torch_paths, labkit.reference,
 # the launchers in labkit.kernels): their aten ops (q widening or quantizing, allocations) count there.
 SCOPES = {"attend_16bit": "attention", "fp8_native": "attention", "mla_decode": "attention",
-          "mla_decode_fp8": "attention", "mla_decode_fp8_tma": "attention",
+          "mla_decode_fp8": "attention", "quantize_q_fp8": "attention",
           "mla_decode_fp8_gluon": "attention", "mla_merge": "merge"}
 _ATEN_RULES = (  # (category, op names), for aten ops outside any scope
     ("cast", {"aten::to", "aten::_to_copy", "aten::copy_"}),

@@ -10,8 +10,6 @@
                            KV, 16-bit query: the same numbers as the cast paths (~1e-3 rel. error)
     fp8_native.triton_q8   ``mla_decode_fp8`` as it defaults: query in FP8 too (the trtllm_mla way),
                            ~6e-3 relative error
-    fp8_native.triton_tma  ``mla_decode_fp8_tma``: the same numbers as triton_q8, tiles fed by TMA into
-                           a shared-memory ring; page sizes 64/128, up to 32 heads, sm_90+
     fp8_native.gluon       ``mla_decode_fp8_gluon``: TMA ring, both products as FP8 wgmma (V^T a register
                            operand, p in e4m3): no 16-bit copy of V anywhere; ~1e-2 relative error;
                            Hopper (sm_90) only, no CPU interpreter; page sizes 64/128, up to 32 heads
@@ -35,8 +33,8 @@ from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
 from labkit.kernels.mla_decode_fp8_gluon import MAX_HEADS as GLUON_MAX_HEADS, mla_decode_fp8_gluon
-from labkit.kernels.mla_decode_fp8_tma import MAX_HEADS as TMA_MAX_HEADS, mla_decode_fp8_tma
 
+from . import triton_plans
 from .kvpool import DecodeBatch, KVPool
 from .torch_paths import k_scale_of, widen16
 
@@ -115,12 +113,6 @@ def fp8_native_triton_q8(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBa
                           sm_scale, k_scale=pool.scale(layer), q_fp8=True, max_len=batch.max_len)
 
 
-def fp8_native_triton_tma(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """FP8 pages by TMA into a shared-memory ring, FP8 query for the scores, V widened in registers."""
-    return mla_decode_fp8_tma(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                              sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
-
-
 def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
     """FP8 pages by TMA, FP8 query and FP8 probabilities: both products on FP8 tensor cores."""
     return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
@@ -134,37 +126,39 @@ def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch,
 
 
 register(Backend("full_pool_cast.triton", "full_pool_cast", "triton", full_pool_cast_triton,
+                 planner=triton_plans.full_pool_cast(triton_plans.widen_triton),
                  kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton fp8_to_bf16 (whole layer) + Triton mla_decode",
                  note="casts the whole layer each call: P*(1+2) B before attention"))
 register(Backend("full_pool_cast.seed", "full_pool_cast", "seed", full_pool_cast_seed,
+                 planner=triton_plans.full_pool_cast(triton_plans.widen_torch),
                  kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="torch .to() (whole layer) + Triton mla_decode",
                  note="exactly the seed's server: get_key_buffer(layer).to(q.dtype)"))
 register(Backend("gather_cast.triton", "gather_cast", "triton", gather_cast_triton,
+                 planner=triton_plans.gather_cast_plan,
                  kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton gather_cast (batch pages) + Triton mla_decode on the compact table"))
-register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton, kv_dtypes=("fp8_e4m3",),
+register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton,
+                 planner=triton_plans.fp8_native(False), kv_dtypes=("fp8_e4m3",),
                  kv_layouts=("fp8_per_tensor",),
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode_fp8: FP8 tiles widened in registers",
                  note="k_scale folded into the softmax scale, v_scale into the output"))
-register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_triton_q8, kv_dtypes=("fp8_e4m3",),
+register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_triton_q8,
+                 planner=triton_plans.fp8_native(True), kv_dtypes=("fp8_e4m3",),
                  kv_layouts=("fp8_per_tensor",), precision="fast",
                  min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="fastest on the H200; ~6e-3 relative error against ~1.3e-3 with a 16-bit query"))
-register(Backend("fp8_native.triton_tma", "fp8_native", "triton_tma", fp8_native_triton_tma,
-                 kv_dtypes=("fp8_e4m3",), kv_layouts=("fp8_per_tensor",), precision="fast",
-                 min_capability=TMA_SM, page_sizes=(64, 128), max_heads=TMA_MAX_HEADS,
-                 runs_on_cpu=True, kernel="Triton mla_decode_fp8_tma: TMA ring, FP8 scores, V widened in registers",
-                 note="tiles never straddle a page: page sizes 64 and 128; FP8 query as triton_q8"))
-register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon, kv_dtypes=("fp8_e4m3",),
+register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon,
+                 planner=triton_plans.gluon, kv_dtypes=("fp8_e4m3",),
                  kv_layouts=("fp8_per_tensor",), precision="fast",
                  min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128), max_heads=GLUON_MAX_HEADS,
                  runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
                  note="V^T is a register operand (no 16-bit copy of V); p in e4m3: ~1e-2 relative error"))
-register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton, kv_dtypes=("bf16",), kv_layouts=("bf16",),
+register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton,
+                 planner=triton_plans.bf16_pool, kv_dtypes=("bf16",), kv_layouts=("bf16",),
                  sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton mla_decode, 16-bit KV only",
                  note="refuses FP8 KV like FlashInfer's static_assert(sizeof(DType) == 2)"))

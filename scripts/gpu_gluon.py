@@ -1,33 +1,62 @@
-"""The Gluon FP8 decode (kernels/mla_decode_fp8_gluon.py: both products as FP8 wgmma, V as a
-register operand) beside the TMA kernel, the pointer-gather FP8 kernel and the BF16-pool kernel, on
-one GPU, with ``gpu_tma.py``'s method: oracle checks (NaN-poisoned outputs, NaN bytes past each
-request's end; 8, 16 and 32 heads; page sizes 64 and 128), then do_bench and CUDA-graph medians of
-whole calls per variant and shape (L2 flushed), ratios against the BF16-pool kernel.
+"""The Gluon FP8 decode's tuning (ring depth, CTAs per SM) beside its backend defaults, on one GPU,
+through the lab's one harness: each variant checked against the float64 oracle, then timed by
+``labkit.timing`` (do_bench with L2 flushes, and CUDA-graph replays over rotating layers), percent of
+copy bandwidth from ``labkit.roofline``'s ceilings measured in the same run.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_gluon.py --out DIR
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_tma  # noqa: E402
+import gpu_kernels as gk  # noqa: E402  (aliases labkit.kernels in a plain checkout)
 
-gpu_tma.VARIANTS = {
-    "bf16.pipe32": ("bf16", dict(block_n=32, num_warps=4, num_stages=3)),
-    "fp8.default": ("gather", dict()),
-    "tma.default": ("tma", dict()),
-    "gluon.s2_c2": ("gluon", dict(num_stages=2, ctas_per_sm=2)),
-    "gluon.s2_c1": ("gluon", dict(num_stages=2, ctas_per_sm=1)),
-    "gluon.s4_c1": ("gluon", dict(num_stages=4, ctas_per_sm=1)),
-    "gluon.s3_c1": ("gluon", dict(num_stages=3, ctas_per_sm=1)),
-    "gluon.default": ("gluon", dict()),  # 2 stages, 2 CTAs per SM
-}
-gpu_tma.SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (8, 128, 16384),
-                  (32, 64, 8192), (16, 1, 8192)]
-gpu_tma.CHECKS = [(16, 64), (8, 64), (32, 64), (16, 128)]
-gpu_tma.STEM = "gpu_gluon"
+import torch  # noqa: E402
+
+from labkit import kvpool, reference, roofline, timing  # noqa: E402
+from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
+
+VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
+            "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
+            "default": dict()}
+SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192)]
+LAYERS = 4  # rotating layers in the CUDA-graph timing
+TOL = 6e-2  # FP8 query and FP8 probabilities
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    out = Path(ap.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceil = roofline.measure_ceilings("cuda", cache_dir=out)
+    res = dict(env=gk.env_info(), command=" ".join(sys.argv), copy_gbps=ceil.copy_gbps, rows=[])
+    for H, B, L in SHAPES:
+        pool = kvpool.random_pool(LAYERS, int(B * L * 1.05) // 64 * 64 + 64, 64, device="cuda", seed=H + B)
+        batch = kvpool.batch_for_pool(pool, [L] * B, seed=B)
+        qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
+        ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, gk.SM_SCALE)
+        idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
+        for name, kw in VARIANTS.items():
+            call = lambda layer, kw=kw: mla_decode_fp8_gluon(qn, qp, pool.layer(layer), *idx, k_scale=pool.scale(layer),  # noqa: E731
+                                                             max_len=L, **kw)
+            row = dict(variant=name, H=H, B=B, L=L)
+            try:
+                row["rel_err"] = reference.rel_err(call(0), ref)
+                row["us"] = timing.bench(lambda: call(0)).us
+                row["graph_us"] = timing.graph_times(call, range(LAYERS)).us
+                row["pct_copy_graph"] = 100 * B * L * 576 / row["graph_us"] / 1e3 / ceil.copy_gbps
+                row["ok"] = row["rel_err"] < TOL
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["rows"].append(row)
+            gk.log(json.dumps(row))
+        (out / "gpu_gluon.json").write_text(json.dumps(res, indent=1, default=str))
+
 
 if __name__ == "__main__":
-    gpu_tma.main()
+    main()

@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KERNEL_MODULES = ("mla_merge", "mla_decode", "mla_decode_fp8", "mla_decode_fp8_tma", "mla_decode_fp8_gluon",
-                  "fp8_to_bf16", "gather_cast")
+KERNEL_MODULES = ("mla_merge", "mla_decode", "launch", "mla_decode_fp8", "mla_decode_fp8_gluon", "fp8_to_bf16",
+                  "gather_cast")
 
 
 def alias_kernels():
@@ -59,22 +59,16 @@ alias_kernels()
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from labkit import backends, kvpool, reference  # noqa: E402
+from labkit import backends, kvpool, reference, roofline, timing  # noqa: E402
 from labkit.kernels.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
 from labkit.kernels.gather_cast import gather_cast  # noqa: E402
 from labkit.kernels.mla_decode import mla_decode  # noqa: E402
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8  # noqa: E402
-from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma  # noqa: E402
 from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
 
 
-def fp8_call(*args, kernel="gather", **kw):
-    """mla_decode_fp8 (pointer gathers) or, for kernel="tma", mla_decode_fp8_tma."""
-    return (mla_decode_fp8_tma if kernel == "tma" else mla_decode_fp8)(*args, **kw)
-
-
-def tma_variant(w, s, halves, pv, ctas=1):
-    return dict(kernel="tma", num_warps=w, num_stages=s, halves=halves, pv_swap=pv, ctas_per_sm=ctas)
+def fp8_call(*args, **kw):
+    return mla_decode_fp8(*args, **kw)
 
 DEV = "cuda"
 PAGE = 64
@@ -112,14 +106,6 @@ FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
     "fp8.q8pv8_pipe64_swap1": dict(cvt="asm", q_fp8=True, pv_fp8=True, prefetch=False, swap=1, block_n=64,
                                    num_warps=4, num_stages=3),
 }
-FP8_SMALL_H.update({  # TMA ring (kernels/mla_decode_fp8_tma.py), page sizes 64 / 128; FP8 query
-    "tma.w4_s4_h2_pv0": tma_variant(4, 4, 2, 0),
-    "tma.w4_s4_h1_pv1": tma_variant(4, 4, 1, 1),
-    "tma.w4_s3_h2_pv0": tma_variant(4, 3, 2, 0),
-    "tma.w8_s4_h1_pv0": tma_variant(8, 4, 1, 0),
-    "tma.w4_s2_h1_pv1_c2": tma_variant(4, 2, 1, 1, ctas=2),
-    "tma.default": dict(kernel="tma"),  # w4_s2_h2_pv0_c2
-})
 FP8_LARGE_H = {  # 64 / 128 heads (BLOCK_H 64, 8 warps): compute-bound
     "fp8.study_bf16": dict(cvt="bf16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
     "fp8.asm_pipe32": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
@@ -177,13 +163,9 @@ def poisoned_empty():
 
 
 def bench_us(fn, warmup=10, rep=50) -> float:
-    if DEV == "cpu":  # --cpu-smoke: the code paths, not the numbers
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+    """labkit.timing.bench's median (do_bench with L2 flushes on a GPU; --cpu-smoke: the code paths)."""
+    return timing.bench(fn, warmup_ms=warmup if DEV == "cuda" else 0, rep_ms=rep if DEV == "cuda" else 0,
+                        device=DEV, min_reps=1).us
 
 
 def sync():
@@ -202,18 +184,10 @@ def log(*a):
 
 # ---------------------------------------------------------------------------------------------
 def ceilings(res):
-    n = 1 << 31 if DEV == "cuda" else 1 << 20  # 2 GiB
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    t = bench_us(lambda: dst.copy_(src))
-    res["copy_bw_TBps"] = 2 * n / t / 1e6
-    del src, dst
-    m = 8192 if DEV == "cuda" else 256
-    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
-    t = bench_us(lambda: a @ b)
-    res["bf16_matmul_TFLOPs"] = 2 * m**3 / t / 1e6
-    del a, b
+    """The two ceilings as labkit.roofline measures them (one roofline computation for the lab)."""
+    c = roofline.measure_ceilings(DEV, copy_bytes=None if DEV == "cuda" else 1 << 20,
+                                  matmul_n=None if DEV == "cuda" else 256)
+    res["copy_bw_TBps"], res["bf16_matmul_TFLOPs"] = c.copy_gbps / 1e3, c.matmul_tflops
     empty_cache()
     log(f"ceilings: copy {res['copy_bw_TBps']:.2f} TB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
 
@@ -232,12 +206,11 @@ CHECK_CASES = [  # (page_size, heads, lens, every variant or a few)
     (16, 64, [5, 16, 17, 2048], False),
     (128, 8, [1, 127, 128, 129, 3000], False),
 ]
-FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32", "tma.default", "tma.w4_s4_h1_pv1")
+FEW = ("fp8.default", "fp8.q8_pipe64_swap1", "fp8.q8_pipe32")
 
 
 def checked_variants(H, every, ps=PAGE):
-    return {k: v for k, v in fp8_variants(H).items() if (every or k in FEW)
-            and not (v.get("kernel") == "tma" and ps % 64)}
+    return {k: v for k, v in fp8_variants(H).items() if every or k in FEW}
 
 
 def correctness(results, only):

@@ -1,7 +1,8 @@
-"""Where a decode call spends host (Python) time: per-call wall time of whole calls with the GPU not
-the bottleneck (one request), then cProfile's top functions for each kernel launcher.
+"""Where a decode call spends host (Python) time: eager wall time per call of every backend's
+planned ``run`` at one request (``labkit.timing.host_us``, rotating layers), FlashInfer's beside it,
+then cProfile's top functions for each.
 
-    python3 scripts/host_profile.py [--heads 16] [--len 8192]
+    python3 scripts/host_profile.py [--heads 16] [--len 8192] [--calls 200]
 """
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_kernels as gk  # noqa: E402
+import gpu_kernels  # noqa: E402,F401  (aliases labkit.kernels in a plain checkout)
 
 import torch  # noqa: E402
 
-from labkit import kvpool  # noqa: E402
+from labkit import backends, kvpool, timing  # noqa: E402
 
-LAUNCHERS = {"bf16": gk.mla_decode, "gather": gk.mla_decode_fp8, "tma": gk.mla_decode_fp8_tma,
-             "gluon": gk.mla_decode_fp8_gluon}
+LAYERS = 4
+SM_SCALE = 1 / 16
 
 
 def main():
@@ -30,32 +30,30 @@ def main():
     ap.add_argument("--len", type=int, default=8192)
     ap.add_argument("--calls", type=int, default=200)
     a = ap.parse_args()
-    pool8 = kvpool.random_pool(1, a.len * 2, 64, device="cuda", seed=1)
-    pool16 = kvpool.random_pool(1, a.len * 2, 64, kv_dtype="bf16", device="cuda", seed=1)
+    pool8 = kvpool.random_pool(LAYERS, a.len * 2, 64, device="cuda", seed=1)
+    pool16 = kvpool.random_pool(LAYERS, a.len * 2, 64, kv_dtype="bf16", device="cuda", seed=1)
     batch = kvpool.make_batch(pool8.num_pages, 64, [a.len], device="cuda")
     qn, qp = kvpool.make_queries(1, a.heads, device="cuda")
-    idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
-    for name, fn in LAUNCHERS.items():
-        call = (lambda: fn(qn, qp, pool16.layer(0), *idx, max_len=a.len)) if name == "bf16" else \
-            (lambda: fn(qn, qp, pool8.layer(0), *idx, pool8.scale(0), max_len=a.len))
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(a.calls):
-            call()
-        host = (time.perf_counter() - t) / a.calls
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) / a.calls
+    for name in backends.names():
+        b = backends.get(name)
+        pool = pool16 if b.kv_layouts == ("bf16",) else pool8
+        try:
+            b.check(qn, pool, batch)
+        except ValueError as e:
+            print(f"== {name}: not here ({e})")
+            continue
+        plan = b.plan(pool, batch, a.heads, SM_SCALE, qn.dtype)
+        call = lambda layer: plan.run(qn, qp, layer)  # noqa: E731
+        us = timing.host_us(call, layers=LAYERS, calls=a.calls)
         pr = cProfile.Profile()
         pr.enable()
-        for _ in range(a.calls):
-            call()
+        for i in range(a.calls):
+            call(i % LAYERS)
         pr.disable()
         torch.cuda.synchronize()
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(8)
-        print(f"== {name}: host {host * 1e6:.1f} us/call, wall {wall * 1e6:.1f} us/call (h{a.heads}, 1 x {a.len})")
+        print(f"== {name}: {us:.1f} us per eager call (h{a.heads}, 1 x {a.len}, {LAYERS} rotating layers)")
         print("\n".join(s.getvalue().splitlines()[6:20]))
 
 

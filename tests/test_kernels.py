@@ -20,7 +20,6 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
-from labkit.kernels.mla_decode_fp8_tma import mla_decode_fp8_tma
 
 SM = 1 / 16  # GLM-5's softmax scale
 # In the interpreter the kernels compute in fp32 and the bf16 output is rounded to nearest once,
@@ -241,68 +240,9 @@ def test_q8_quantization_matches_its_description():
     assert reference.rel_err(back, qn.float()) < 2**-4
 
 
-# ------------------------------------------------------------------ TMA-fed FP8 decode -----------
-TMA_VARIANTS = {"pv0_h1": dict(pv_swap=0, halves=1), "pv0_h2": dict(pv_swap=0, halves=2),
-                "pv1_h1": dict(pv_swap=1, halves=1)}
-
-
-@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
-@pytest.mark.parametrize("page_size,heads,splits", [(64, 16, None), (128, 5, 3), (64, 32, 2)])
-def test_mla_decode_fp8_tma_matches_oracle(variant, page_size, heads, splits):
-    """Against the oracle within the FP8-query bound, and against mla_decode_fp8 (same quantized
-    query, fp32 math in the interpreter) to rounding: the two kernels compute the same function."""
-    lens = _edge_lens(page_size) + [2 * page_size + 7]
-    pool, src, batch, qn, qp = _case(page_size, lens, heads, 3 * page_size + heads)
-    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
-    out, lse = mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=splits,
-                                  return_lse=True, **TMA_VARIANTS[variant])
-    assert out.dtype == qn.dtype and out.shape == qn.shape
-    _check(out, lse, ref, ref_lse, TOL_Q8, TOL_LSE_Q8)
-    assert reference.rel_err(out, reference.mla_decode(qn, qp, src[0].double(), batch, SM)) < TOL_SOURCE
-    twin, twin_lse = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=splits,
-                                    return_lse=True, q_fp8=True)
-    assert reference.rel_err(out, twin) < 1e-3
-    assert float((lse - twin_lse).abs().max()) < 1e-4
-
-
-def test_mla_decode_fp8_tma_ignores_nan_bytes_past_the_end():
-    """Rows of a request's last page past its length are read by the tile's TMA box but must not
-    reach the output: fill them with e4m3 NaN (0x7F) and the result must not change."""
-    lens = [65, 130, 64]
-    pool, _, batch, qn, qp = _case(64, lens, 16, 9)
-    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
-    raw = pool.layer(0).view(torch.uint8)
-    for b, n in enumerate(lens):
-        last = int(batch.kv_indices[int(batch.kv_indptr[b + 1]) - 1])
-        raw[last, (n - 1) % 64 + 1:] = 0x7F
-    assert torch.isnan(pool.layer(0).float()).any()
-    for kw in TMA_VARIANTS.values():
-        out = mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=2, **kw)
-        assert torch.isfinite(out).all() and reference.rel_err(out, ref) < TOL_Q8
-
-
-def test_mla_decode_fp8_tma_refuses_what_it_cannot_tile():
-    pool, _, batch, qn, qp = _case(16, [20], 4, 0)
-    with pytest.raises(ValueError, match="page_size=16 is not a multiple of block_n=64"):
-        mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM)
-    pool, _, batch, qn, qp = _case(64, [20], 4, 0)
-    with pytest.raises(ValueError, match="halves=3; allowed 1, 2"):
-        mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, halves=3)
-    with pytest.raises(ValueError, match="pv_swap=1 with halves=2 is refused"):
-        mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, halves=2, pv_swap=1)
-    qn64, qp64 = kvpool.make_queries(1, 64, seed=1)
-    with pytest.raises(ValueError, match="64 heads; allowed 1..32"):
-        mla_decode_fp8_tma(qn64, qp64, pool.layer(0), *_idx(batch), SM)
-    strided = pool.layer(0)[::2]  # every other page: not a dense pool
-    with pytest.raises(ValueError, match="pages must be dense"):
-        mla_decode_fp8_tma(qn, qp, strided, *_idx(batch), SM)
-    with pytest.raises(ValueError, match="backend 'fp8_native.triton_tma': page_size=16; allowed \\[64, 128\\]"):
-        backends.get("fp8_native.triton_tma").decode(qn, qp, _case(16, [20], 4, 0)[0], 0, batch, SM)
-
-
 # ------------------------------------------------------------------ backends --------------------
 TRITON_BACKENDS = ["full_pool_cast.triton", "full_pool_cast.seed", "gather_cast.triton", "fp8_native.triton",
-                   "fp8_native.triton_q8", "fp8_native.triton_tma"]
+                   "fp8_native.triton_q8"]
 
 
 def test_triton_backends_registered_with_rules_as_data():
@@ -311,10 +251,7 @@ def test_triton_backends_registered_with_rules_as_data():
         assert n in names
         b = backends.get(n)
         assert b.runs_on_cpu
-        if n != "fp8_native.triton_tma":
-            assert b.max_heads == 128 and b.page_sizes == backends.ALL_PAGE_SIZES
-    tma = backends.get("fp8_native.triton_tma")
-    assert (tma.page_sizes, tma.max_heads, tma.min_capability) == ((64, 128), 32, (9, 0))
+        assert b.max_heads == 128 and b.page_sizes == backends.ALL_PAGE_SIZES
     assert backends.get("fp8_native.triton").min_capability == (8, 9)
     assert backends.get("fp8_native.triton").kv_dtypes == ("fp8_e4m3",)
     assert backends.get("bf16_pool.triton").kv_dtypes == ("bf16",)
@@ -329,7 +266,7 @@ def test_triton_backends_match_oracle(page_size):
         if page_size not in backends.get(n).page_sizes:
             continue
         out = backends.get(n).decode(qn, qp, pool, 0, batch, SM)
-        assert reference.rel_err(out, ref) < (TOL_Q8 if n.endswith(("q8", "tma")) else TOL_BF16_OUT), n
+        assert reference.rel_err(out, ref) < (TOL_Q8 if n.endswith("q8") else TOL_BF16_OUT), n
     # the same values in a BF16 pool (e4m3 values are exact in bf16)
     pool16 = kvpool.KVPool(pool.dequant(0, torch.bfloat16)[None], torch.ones(1))
     assert reference.rel_err(backends.get("bf16_pool.triton").decode(qn, qp, pool16, 0, batch, SM), ref) < TOL_BF16_OUT
@@ -363,29 +300,6 @@ def test_gpu_mla_decode_fp8(variant, page_size, heads):
     out, lse = mla_decode_fp8(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), return_lse=True, **kw)
     q8 = kw.get("q_fp8", True)
     _check(out, lse, ref, ref_lse, TOL_GPU_Q8 if q8 else TOL_GPU, 0.2 if q8 else 1e-2)
-
-
-GPU_TMA_VARIANTS = {**TMA_VARIANTS, "default": dict(), "w8_s3": dict(num_warps=8, num_stages=3),
-                    "w4_s4_c1": dict(num_warps=4, num_stages=4, ctas_per_sm=1)}
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("variant", list(GPU_TMA_VARIANTS))
-@pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32)])
-def test_gpu_mla_decode_fp8_tma(variant, page_size, heads):
-    """On the GPU (wgmma, TMA ring): the oracle, and stale NaN bytes past each request's end."""
-    lens = _edge_lens(page_size) + [4097, 1000]
-    pool, _, batch, qn, qp = _case(page_size, lens, heads, 8, device="cuda")
-    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
-    raw = pool.layer(0).view(torch.uint8)
-    for b, n in enumerate(lens):
-        last = int(batch.kv_indices[int(batch.kv_indptr[b + 1]) - 1])
-        raw[last, (n - 1) % page_size + 1:] = 0x7F  # e4m3 NaN: must be masked, never multiplied by p = 0
-    for splits in (None, 1):
-        out, lse = mla_decode_fp8_tma(qn, qp, pool.layer(0), *_idx(batch), SM, pool.scale(0), num_splits=splits,
-                                      return_lse=True, **GPU_TMA_VARIANTS[variant])
-        _check(out, lse, ref, ref_lse, TOL_GPU_Q8, 0.2)
 
 
 @pytest.mark.gpu

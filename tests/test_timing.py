@@ -119,16 +119,3 @@ def test_host_us_is_wall_time_per_call_over_rotating_layers(monkeypatch):
     assert us == pytest.approx(4000.0)  # timed loops cost 3, 4, 5 ms a call: median 4 ms
     with pytest.raises(ValueError, match="calls=0"):
         timing.host_us(fn, calls=0, device="cpu")
-
-
-def test_graph_times_refuses_the_cpu():
-    with pytest.raises(ValueError, match="graph_times needs a CUDA device"):
-        timing.graph_times(lambda layer: None, device="cpu")
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_graph_times_per_call_over_layers():
-    x = torch.randn(1 << 22, device="cuda")
-    t = timing.graph_times(lambda layer: x.mul_(1.0), layers=4, replays=5)
-    assert t.method == "cuda-graph" and t.n == 5 and 0 < t.median_ms < 10

@@ -1,0 +1,161 @@
+"""Per-batch plans of the Triton paths (``Backend.planner``): a layer's call is launches only.
+
+What a batch fixes is computed once here: the kernel config, the split count (from the host
+lengths: no device read), the stage-1 partials and the merge (``labkit.kernels.launch.SplitKV``),
+each layer's view and ``k_scale`` (host floats), the compact page table of ``gather_cast``. Each
+layer's ``run`` then allocates its output and launches the same kernels with the same arguments
+as the checked launchers (``mla_decode``, ``mla_decode_fp8``): equal outputs, less host time,
+nothing a CUDA graph cannot capture. The Gluon kernel keeps its own launcher, given the split
+count's inputs. A planner returns None (the backend's ``fn`` runs) for what it does not plan:
+sparse batches and the ``fp8_ds_mla`` layout.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
+from labkit.kernels.gather_cast import gather_cast
+from labkit.kernels.launch import SplitKV
+from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, resolve_splits
+from labkit.kernels.mla_decode_fp8 import (CVT_MODES, P_SCALE, _mla_decode_fp8_kernel, default_config,
+                                           quantize_q_fp8)
+from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon
+
+from .kvpool import DecodeBatch, KVPool
+
+
+def _plannable(pool: KVPool, batch: DecodeBatch) -> bool:
+    return not batch.topk and pool.kv_layout != "fp8_ds_mla"
+
+
+def _layers(pool: KVPool):
+    """Each layer's [num_pages, page_size, 576] view and per-tensor k_scale, read once."""
+    return [pool.layer(i) for i in range(pool.num_layers)], [float(s) for s in pool.k_scale.tolist()]
+
+
+class Decode16:
+    """``mla_decode`` (16-bit KV) planned for one batch; k_scale folded as the launcher's callers do."""
+
+    def __init__(self, batch: DecodeBatch, heads: int, sm_scale: float, q_dtype, device):
+        on_gpu = torch.device(device).type == "cuda"
+        self.block_h = pick_block_h(heads, None)
+        big = self.block_h >= 64  # mla_decode's defaults per head class
+        self.block_n = (64 if big else 32) if on_gpu else 128
+        self.num_warps, self.num_stages = (8, 2) if big else (4, 3)
+        self.f32_math = not on_gpu
+        self.batch, self.sm_scale = batch, float(sm_scale)
+        hb = triton.cdiv(heads, self.block_h)
+        s = resolve_splits("mla_decode", None, batch.batch_size, hb, batch.kv_lens, batch.max_len,
+                           self.block_n, torch.device(device), ctas_per_sm=2 if big else 4)
+        self.grid = (batch.batch_size, hb, s)
+        self.split = SplitKV.make(batch.batch_size, heads, s, q_dtype, device)
+
+    def __call__(self, q_nope, q_pe, kv, k_scale: float):
+        """kv [pages, page_size, 576] 16-bit, real = kv * k_scale -> out [B, H, 512]."""
+        b, heads = self.batch, q_nope.shape[1]
+
+        def stage1(o_buf, lse_buf, direct):
+            _mla_decode_kernel[self.grid](
+                q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                self.sm_scale * k_scale * LOG2E, float(k_scale), heads, self.grid[2],
+                q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+                o_buf.stride(0), o_buf.stride(1), PAGE=kv.shape[1], BLOCK_N=self.block_n,
+                BLOCK_H=self.block_h, DIRECT=direct, F32_MATH=self.f32_math,
+                num_warps=self.num_warps, num_stages=self.num_stages)
+
+        return self.split.run(stage1, k_scale)
+
+
+def bf16_pool(pool, batch, num_heads, sm_scale, q_dtype):
+    if not _plannable(pool, batch):
+        return None
+    views, scales = _layers(pool)
+    dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device)
+    return lambda q_nope, q_pe, layer, _b: dec(q_nope, q_pe, views[layer], scales[layer])
+
+
+def full_pool_cast(widen):
+    """Planner of a whole-layer cast (``widen(layer_view, q_dtype)``) then ``mla_decode``."""
+    def planner(pool, batch, num_heads, sm_scale, q_dtype):
+        if not _plannable(pool, batch):
+            return None
+        views, scales = _layers(pool)
+        dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device)
+        return lambda q_nope, q_pe, layer, _b: dec(q_nope, q_pe, widen(views[layer], q_nope.dtype), scales[layer])
+    return planner
+
+
+def widen_triton(kv, dtype):
+    return (fp8_to_bf16(kv) if kv.dtype == torch.float8_e4m3fn else kv).to(dtype)
+
+
+def widen_torch(kv, dtype):
+    return kv.to(dtype)
+
+
+def gather_cast_plan(pool, batch, num_heads, sm_scale, q_dtype):
+    """The batch's pages gathered and widened per layer, attended over the compact table (planned once)."""
+    if not _plannable(pool, batch):
+        return None
+    views, scales = _layers(pool)
+    compact = batch.compact()
+    pages = batch.kv_indices.long()
+    dec = Decode16(compact, num_heads, sm_scale, q_dtype, pool.device)
+
+    def run(q_nope, q_pe, layer, _b):
+        buf = views[layer]
+        kv = gather_cast(buf, batch.kv_indices) if buf.dtype == torch.float8_e4m3fn else buf[pages]
+        return dec(q_nope, q_pe, kv.to(q_nope.dtype), scales[layer])
+    return run
+
+
+def fp8_native(q_fp8: bool):
+    """Planner of ``mla_decode_fp8`` with a 16-bit (False) or FP8 (True) query, its default config."""
+    def planner(pool, batch, num_heads, sm_scale, q_dtype):
+        if not _plannable(pool, batch):
+            return None
+        views, scales = _layers(pool)
+        dev = pool.device
+        on_gpu = dev.type == "cuda"
+        cfg = default_config(num_heads, on_gpu, q_fp8)
+        cfg.setdefault("ctas_per_sm", 2)
+        if not on_gpu:
+            cfg.update(cvt="f32", pv_fp8=False)  # as the launcher: the interpreter's limits
+        cvt = CVT_MODES[cfg["cvt"]]
+        block_h = pick_block_h(num_heads, None)
+        hb = triton.cdiv(num_heads, block_h)
+        s = resolve_splits("mla_decode_fp8", None, batch.batch_size, hb, batch.kv_lens, batch.max_len,
+                           cfg["block_n"], dev, cfg["ctas_per_sm"])
+        split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, dev)
+        q_mode = (1 if not on_gpu else 2) if cfg["q_fp8"] else 0
+        p_div = P_SCALE if cfg["pv_fp8"] else 1.0
+        b = batch
+
+        def run(q_nope, q_pe, layer, _b):
+            kv, k_scale = views[layer], scales[layer]
+            qn, qp, q_scale = (*quantize_q_fp8(q_nope, q_pe, block_h),) if q_mode == 1 else (q_nope, q_pe, None)
+            out_scale = k_scale / p_div
+
+            def stage1(o_buf, lse_buf, direct):
+                _mla_decode_fp8_kernel[(b.batch_size, hb, s)](
+                    qn, qp, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                    q_scale if q_scale is not None else lse_buf, float(sm_scale) * k_scale * LOG2E, out_scale,
+                    num_heads, s, qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv.stride(0),
+                    o_buf.stride(0), o_buf.stride(1), PAGE=kv.shape[1], BLOCK_N=cfg["block_n"], BLOCK_H=block_h,
+                    DIRECT=direct, CVT=cvt, Q_FP8=q_mode, PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
+                    PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+            return split.run(stage1, out_scale)
+        return run
+    return planner
+
+
+def gluon(pool, batch, num_heads, sm_scale, q_dtype):
+    """The Gluon launcher with each layer's view and scale read once and the longest context given."""
+    if not _plannable(pool, batch):
+        return None
+    views, scales = _layers(pool)
+    args, max_len = (batch.kv_indptr, batch.kv_indices, batch.kv_lens), batch.max_len
+    return lambda q_nope, q_pe, layer, _b: mla_decode_fp8_gluon(q_nope, q_pe, views[layer], *args, sm_scale,
+                                                                k_scale=scales[layer], max_len=max_len)

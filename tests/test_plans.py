@@ -1,0 +1,85 @@
+"""Per-batch plans of the Triton paths: the same kernels with the same arguments as the checked
+launchers (equal outputs, bit for bit, in the interpreter), planned once, scratch reused."""
+import pytest
+import torch
+
+from labkit import backends, kvpool, triton_plans
+from labkit.kernels.launch import SplitKV
+from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, mla_decode
+from labkit.triton_paths import (fp8_native_gluon, fp8_native_triton, fp8_native_triton_q8, full_pool_cast_seed,
+                                 full_pool_cast_triton, gather_cast_triton, bf16_pool_triton)
+
+SM_SCALE = 1 / 16
+CASES = [  # (checked function, planner, pool dtype)
+    (full_pool_cast_triton, triton_plans.full_pool_cast(triton_plans.widen_triton), "fp8_e4m3"),
+    (full_pool_cast_seed, triton_plans.full_pool_cast(triton_plans.widen_torch), "fp8_e4m3"),
+    (gather_cast_triton, triton_plans.gather_cast_plan, "fp8_e4m3"),
+    (fp8_native_triton, triton_plans.fp8_native(False), "fp8_e4m3"),
+    (fp8_native_triton_q8, triton_plans.fp8_native(True), "fp8_e4m3"),
+    (bf16_pool_triton, triton_plans.bf16_pool, "bf16"),
+]
+
+
+def _case(kv_dtype, heads=4, lens=(33, 70), pool_tokens=256):
+    pool = kvpool.random_pool(2, pool_tokens, 16, kv_dtype=kv_dtype, seed=3)  # two layers, two k_scales
+    batch = kvpool.batch_for_pool(pool, list(lens), seed=4)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=5)
+    return pool, batch, qn, qp
+
+
+@pytest.mark.parametrize("fn, planner, kv_dtype", CASES, ids=[c[0].__name__ for c in CASES])
+def test_planned_run_equals_the_checked_launcher(fn, planner, kv_dtype):
+    pool, batch, qn, qp = _case(kv_dtype)
+    run = planner(pool, batch, qn.shape[1], SM_SCALE, qn.dtype)
+    for layer in (1, 0):
+        assert torch.equal(run(qn, qp, layer, batch), fn(qn, qp, pool, layer, batch, SM_SCALE))
+
+
+def test_split_scratch_and_merge_equal_mla_decode_with_splits():
+    pool, batch, qn, qp = _case("bf16", heads=16, lens=(200, 90), pool_tokens=512)
+    kv = pool.layer(0)
+    sk = SplitKV.make(2, 16, 3, qn.dtype, "cpu")
+    assert sk.part_o.shape == (2, 16, 3, 512) and not sk.direct
+
+    def stage1(o, lse, direct):
+        _mla_decode_kernel[(2, 1, 3)](qn, qp, kv, batch.kv_indptr, batch.kv_indices, batch.kv_lens, o, lse,
+                                      SM_SCALE * LOG2E, 1.0, 16, 3, qn.stride(0), qn.stride(1), qp.stride(0),
+                                      qp.stride(1), kv.stride(0), o.stride(0), o.stride(1), PAGE=16, BLOCK_N=128,
+                                      BLOCK_H=16, DIRECT=direct, F32_MATH=True)
+
+    want = mla_decode(qn, qp, kv, batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM_SCALE, num_splits=3)
+    first = sk.run(stage1, 1.0)
+    part = sk.part_o
+    second = sk.run(stage1, 1.0)  # the same scratch, a new output
+    assert sk.part_o is part and first is not second
+    assert torch.equal(first, want) and torch.equal(second, want)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        SplitKV.make(2, 16, 0, qn.dtype, "cpu")
+
+
+def test_plan_is_made_once_per_batch(monkeypatch):
+    pool, batch, qn, qp = _case("fp8_e4m3")
+    b = backends.get("fp8_native.triton")
+    assert b.planner is not None
+    calls = []
+    real = b.planner
+    monkeypatch.setattr(backends, "_PLANS", {})
+    object.__setattr__(b, "planner", lambda *a: calls.append(a) or real(*a))
+    try:
+        plan = b.plan(pool, batch, qn.shape[1], SM_SCALE, qn.dtype)
+        outs = [plan.run(qn, qp, layer) for layer in (0, 1, 0)]
+        assert b.plan(pool, batch, qn.shape[1], SM_SCALE, qn.dtype) is plan
+        b.decode(qn, qp, pool, 1, batch, SM_SCALE)
+    finally:
+        object.__setattr__(b, "planner", real)
+    assert len(calls) == 1
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+
+
+def test_unplanned_cases_fall_back_to_the_function():
+    pool, batch, qn, qp = _case("fp8_e4m3")
+    sparse = batch.with_slots(kvpool.random_slots(batch, 8, seed=1))
+    assert triton_plans.fp8_native(True)(pool, sparse, 4, SM_SCALE, qn.dtype) is None
+    ds = kvpool.random_pool(1, 256, 16, kv_layout="fp8_ds_mla")
+    assert triton_plans.gluon(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype) is None
+    assert callable(fp8_native_gluon)
