@@ -45,24 +45,26 @@ def _index_logits_kernel(
 ):
     pid_t, b = tl.program_id(0), tl.program_id(1)
     n = tl.load(lens_ptr + b)
-    start = tl.load(indptr_ptr + b)
     pos = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
-    live = pos < n
-    pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
-    page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
-    tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
-    ip, row = tok // IPAGE, tok % IPAGE
-    d = tl.arange(0, D)
-    k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + d[None, :])  # [BLOCK_T, D] fp8
-    scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
-    h = tl.arange(0, H_PAD)
-    q_t = tl.load(q_ptr + b * H_PAD * D + h[None, :] * D + d[:, None])  # [D, H_PAD] fp8
-    w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
-    s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
-    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
-    logit = tl.where(live, logit, float("-inf"))
-    tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
-
+    if pid_t * BLOCK_T < n:
+        start = tl.load(indptr_ptr + b)
+        pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
+        page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
+        tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
+        ip, row = tok // IPAGE, tok % IPAGE
+        d = tl.arange(0, D)
+        k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + d[None, :])  # [BLOCK_T, D] fp8
+        scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
+        h = tl.arange(0, H_PAD)
+        q_t = tl.load(q_ptr + b * H_PAD * D + h[None, :] * D + d[:, None])  # [D, H_PAD] fp8
+        w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
+        s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+        logit = tl.where(pos < n, logit, float("-inf"))
+        tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
+    else:  # a tile wholly past this request's context (a longer request sets the grid)
+        tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32),
+                 mask=pos < max_len)
 
 def _check(name, t, dtype, dims):
     if not isinstance(t, torch.Tensor) or t.dim() != dims:
