@@ -204,3 +204,8 @@ def test_partial_runs_are_labelled(tmp_path, monkeypatch):
 
 def test_load_runs_empty_has_the_state_columns(tmp_path):
     assert {"run", "file", "run_state", "run_finished"} <= set(results.load_runs(str(tmp_path / "none*")).columns)
+
+
+def test_committed_reference_runs_are_finished():
+    df = results.load_runs(REPO / "data" / "reference")
+    assert len(df) > 100 and df.run_finished.all(), df[~df.run_finished].run.unique()
