@@ -66,6 +66,7 @@ def _index_logits_kernel(
         tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32),
                  mask=pos < max_len)
 
+
 def _check(name, t, dtype, dims):
     if not isinstance(t, torch.Tensor) or t.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
