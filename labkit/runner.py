@@ -199,7 +199,7 @@ def export_html(notebook: Path) -> Path:
     from nbconvert import HTMLExporter
 
     body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
-                           extra_template_basedirs=[str(d) for d in template_dirs()]
+                           extra_template_basedirs=[os.getcwd(), *map(str, template_dirs())]  # cwd: the default
                            ).from_notebook_node(nbformat.read(notebook, as_version=4))
     return atomic_write_text(notebook.with_suffix(".html"), body)
 

@@ -201,3 +201,59 @@ def test_ctrl_c_ends_with_one_line_naming_the_failed_folder(tmp_path):
     assert folder.name.endswith("-cpu-failed") and str(folder) in lines[-1]
     assert (folder / "params.json").exists() and not (folder / results.FINISHED).exists()
     assert set(results.load_runs(folder).run_state) <= {"partial"}
+
+
+# -- the HTML report where nbconvert came as wheels installed with `pip install --target SITE` -----
+def _fake_layout(root, templates_at):
+    """An nbconvert package at root/site/nbconvert and, when given, its templates under templates_at."""
+    pkg = root / "site" / "nbconvert"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    if templates_at is not None:
+        (root / templates_at / "share/jupyter/nbconvert/templates/lab").mkdir(parents=True)
+    return pkg / "__init__.py"
+
+
+@pytest.mark.parametrize("templates_at, expected", [
+    ("site", "site"),  # pip install --target SITE: SITE/share/jupyter
+    (None, None),  # no templates anywhere near: nothing added
+])
+def test_template_dirs_next_to_a_target_install(tmp_path, templates_at, expected):
+    found = runner.template_dirs(str(_fake_layout(tmp_path, templates_at)))
+    want = [tmp_path / expected / "share/jupyter/nbconvert/templates"] if expected else []
+    assert found == [p.resolve() for p in want]
+
+
+def test_template_dirs_of_a_prefix_install(tmp_path):
+    """PREFIX/lib/python3.X/site-packages/nbconvert with its templates in PREFIX/share/jupyter."""
+    pkg = tmp_path / "prefix/lib/python3.12/site-packages/nbconvert"
+    pkg.mkdir(parents=True)
+    (tmp_path / "prefix/share/jupyter/nbconvert/templates/lab").mkdir(parents=True)
+    found = runner.template_dirs(str(pkg / "__init__.py"))
+    assert found == [(tmp_path / "prefix/share/jupyter/nbconvert/templates").resolve()]
+
+
+def test_export_html_finds_the_templates_of_a_target_install(tmp_path, monkeypatch):
+    """Jupyter's data path holds no templates (the offline GPU machine); the exporter finds them beside
+    the nbconvert package, as `pip install --target` lays them out."""
+    import shutil
+
+    import nbconvert
+    from nbconvert import HTMLExporter
+    from nbconvert.exporters import templateexporter
+
+    real = runner.template_dirs()[0]
+    fake = _fake_layout(tmp_path, None)
+    shutil.copytree(real, tmp_path / "site/share/jupyter/nbconvert/templates")
+    monkeypatch.setattr(templateexporter, "jupyter_path", lambda *a: [str(tmp_path / "empty")])
+    monkeypatch.setattr(nbconvert, "__file__", str(fake))
+    nb = tmp_path / "run" / "04_report.ipynb"
+    nb.parent.mkdir()
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1", outputs=[nbformat.v4.new_output(
+        "stream", text="the report figure\n")])]), nb)
+    with pytest.raises(ValueError, match="No template sub-directory with name 'lab'"):
+        HTMLExporter().from_notebook_node(nbformat.read(nb, as_version=4))  # what the machine said
+    html = runner.export_html(nb)
+    assert html == nb.with_suffix(".html") and "<pre>the report figure" in html.read_text()
+    assert "x = 1" not in html.read_text()  # code cells hidden
+    assert [p.name for p in nb.parent.iterdir() if p.name.startswith(".")] == []  # written atomically
