@@ -29,8 +29,9 @@ SM = 1 / 16  # GLM-5's softmax scale
 TOL_BF16_OUT = 4e-3
 TOL_FP16_OUT = 5e-4  # fp16 output: 2^-12 rounding
 # An FP8 query (e4m3: 3 mantissa bits, one scale per request and head block) perturbs every
-# score by up to 2^-4 relative: ~5e-3..1e-2 seen against the exact result.
-TOL_Q8 = 2.5e-2
+# score by up to 2^-4 relative: 2.5-3.4e-2 against the exact result (STUDY.md's emulation table;
+# 2.7e-2 seen here at 129 tokens, 5 heads), most at short contexts.
+TOL_Q8 = 4e-2
 # Against the unquantized source the e4m3 rounding of KV (~2^-5 rms per value) dominates.
 TOL_SOURCE = 6e-2
 TOL_LSE = 1e-4  # absolute, natural log, fp32 arithmetic
