@@ -74,28 +74,74 @@ def _q_fp8(q_ptr, row_off, hmask, col0, inv, W: tl.constexpr, Q_SPLIT: tl.conste
 
 
 @triton.jit
-def _qk(hi, lo, k, Q_SPLIT: tl.constexpr):
-    """[BLOCK_H, W] e4m3 query parts . [BLOCK_N, W] e4m3 keys -> [BLOCK_H, BLOCK_N] fp32."""
-    kt = tl.trans(k)
-    d = tl.dot(hi, kt)
-    if Q_SPLIT:
-        d += tl.dot(lo, kt) * 0.0625
-    return d
+def _q_scale(q_nope_ptr, q_pe_ptr, qn_off, qp_off, hmask, DS: tl.constexpr):
+    """Per-head e4m3 scale amax / 448 (ds_mla: of the NoPE part only) and its inverse: [BLOCK_H] each."""
+    amax = tl.maximum(tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 0, 128), _q_amax(q_nope_ptr, qn_off, hmask, 128, 128)),
+                      tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 256, 128), _q_amax(q_nope_ptr, qn_off, hmask, 384, 128)))
+    if not DS:
+        amax = tl.maximum(amax, _q_amax(q_pe_ptr, qp_off, hmask, 0, 64))
+    q_sc = tl.maximum(amax, 1e-30) / 448.0
+    return q_sc, 1.0 / q_sc
 
 
 @triton.jit
-def _pv(x, v, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
-    """x [BLOCK_H, BLOCK_N] fp32 in [0, 256] (scaled p) @ v [BLOCK_N, 128] e4m3 -> fp32."""
+def _q_load8(q8_ptr, row_off, hmask, col0, W: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """Columns col0 .. col0 + W of a pre-quantized query: hi and lo, [BLOCK_H, W] e4m3 each."""
+    offs = row_off[:, None] + col0 + tl.arange(0, W)[None, :]
+    hi = tl.load(q8_ptr + offs, mask=hmask[:, None], other=0.0)
+    lo = hi
+    if Q_SPLIT:
+        lo = tl.load(q8_ptr + offs + 576, mask=hmask[:, None], other=0.0)
+    return hi, lo
+
+
+@triton.jit(do_not_specialize=["H"])
+def _quantize_q_kernel(q_nope_ptr, q_pe_ptr, q8_ptr, qsc_ptr, H, stride_qn_b, stride_qn_h, stride_qp_b,
+                       stride_qp_h, DS: tl.constexpr, Q_SPLIT: tl.constexpr, EMU: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """q -> q8 [B, H, 2, 576] e4m3 (hi | lo: lo = 16 * residual) and qsc [B, H] fp32; grid (B, head blocks)."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    qn_off = b * stride_qn_b + heads * stride_qn_h
+    qp_off = b * stride_qp_b + heads * stride_qp_h
+    q_sc, inv = _q_scale(q_nope_ptr, q_pe_ptr, qn_off, qp_off, hmask, DS)
+    tl.store(qsc_ptr + b * H + heads, q_sc, mask=hmask)
+    out = (b * H + heads)[:, None] * 1152
+    for g in tl.static_range(4):
+        hi, lo = _q_fp8(q_nope_ptr, qn_off, hmask, g * 128, inv, 128, Q_SPLIT, EMU)
+        cols = g * 128 + tl.arange(0, 128)[None, :]
+        tl.store(q8_ptr + out + cols, hi, mask=hmask[:, None])
+        tl.store(q8_ptr + out + 576 + cols, lo, mask=hmask[:, None])
+    hi, lo = _q_fp8(q_pe_ptr, qp_off, hmask, 0, inv, 64, Q_SPLIT, EMU)
+    cols = 512 + tl.arange(0, 64)[None, :]
+    tl.store(q8_ptr + out + cols, hi, mask=hmask[:, None])
+    tl.store(q8_ptr + out + 576 + cols, lo, mask=hmask[:, None])
+
+
+@triton.jit
+def _qk(hi, lo, k, acc, Q_SPLIT: tl.constexpr):
+    """acc + q . k^T: [BLOCK_H, W] e4m3 query terms, [BLOCK_N, W] e4m3 keys, acc [BLOCK_H, BLOCK_N] fp32.
+    Chained as accumulating dots (lo first, at 16x), so no second accumulator is live."""
+    kt = tl.trans(k)
+    if Q_SPLIT:
+        acc = tl.dot(lo, kt, acc * 16.0) * 0.0625
+    return tl.dot(hi, kt, acc)
+
+
+@triton.jit
+def _pv(x, v, acc, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
+    """acc + x @ v: x [BLOCK_H, BLOCK_N] fp32 in [0, 256] (scaled p), v [BLOCK_N, 128] e4m3."""
     if PV == 0:
         hi = _e4m3(x, EMU)
-        r = tl.dot(hi, v)
         if P_SPLIT:
-            r += tl.dot(_e4m3((x - hi.to(tl.float32)) * 16.0, EMU), v) * 0.0625
+            acc = tl.dot(_e4m3((x - hi.to(tl.float32)) * 16.0, EMU), v, acc * 16.0) * 0.0625
+        acc = tl.dot(hi, v, acc)
     elif EMU:
-        r = tl.dot(x, v.to(tl.float32))
+        acc = tl.dot(x, v.to(tl.float32), acc)
     else:
-        r = tl.dot(x.to(tl.float16), _widen(v, 2))
-    return r
+        acc = tl.dot(x.to(tl.float16), _widen(v, 2), acc)
+    return acc
 
 
 @triton.jit
@@ -141,6 +187,8 @@ def _mla_decode_fp8_rows_kernel(
     kvr_ptr,  # *bf16 [pool_tokens, ROW / 2] the same rows (ds_mla RoPE at element 264)
     kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr,  # dense: *i32 [B + 1], [nnz], [B]
     tok_ptr,  # sparse: *i32 [B, topk] rows, -1 masked
+    q8_ptr,  # Q_PRE: *fp8e4nv [B, H, 2, 576] the query's hi | lo terms
+    qsc_ptr,  # Q_PRE: *f32 [B, H] their scales
     o_ptr,  # *f32 [B, H, S, 512] partials, or *q dtype [B, H, 512] when DIRECT
     lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
     qk_scale,  # sm_scale * k_scale * log2(e)
@@ -156,6 +204,7 @@ def _mla_decode_fp8_rows_kernel(
     BLOCK_H: tl.constexpr,
     DIRECT: tl.constexpr,
     Q_SPLIT: tl.constexpr, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr,
+    Q_PRE: tl.constexpr,  # the query quantized by a separate launch (fewer registers in this one)
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -177,26 +226,27 @@ def _mla_decode_fp8_rows_kernel(
     # the query in e4m3, one scale per head (ds_mla: RoPE stays 16-bit, outside the scale)
     qn_off = b * stride_qn_b + heads * stride_qn_h
     qp_off = b * stride_qp_b + heads * stride_qp_h
-    amax = tl.maximum(tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 0, 128), _q_amax(q_nope_ptr, qn_off, hmask, 128, 128)),
-                      tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 256, 128), _q_amax(q_nope_ptr, qn_off, hmask, 384, 128)))
-    if not DS:
-        amax = tl.maximum(amax, _q_amax(q_pe_ptr, qp_off, hmask, 0, 64))
-    q_sc = tl.maximum(amax, 1e-30) / 448.0
-    inv = 1.0 / q_sc
-    qh0, ql0 = _q_fp8(q_nope_ptr, qn_off, hmask, 0, inv, 128, Q_SPLIT, EMU)
-    qh1, ql1 = _q_fp8(q_nope_ptr, qn_off, hmask, 128, inv, 128, Q_SPLIT, EMU)
-    qh2, ql2 = _q_fp8(q_nope_ptr, qn_off, hmask, 256, inv, 128, Q_SPLIT, EMU)
-    qh3, ql3 = _q_fp8(q_nope_ptr, qn_off, hmask, 384, inv, 128, Q_SPLIT, EMU)
+    if Q_PRE:  # quantized by _quantize_q_kernel: [B, H, 2, 576] e4m3 (hi | lo) and [B, H] scales
+        q8_off = (b * H + heads) * 1152
+        q_sc = tl.load(qsc_ptr + b * H + heads, mask=hmask, other=1.0)
+        qh0, ql0 = _q_load8(q8_ptr, q8_off, hmask, 0, 128, Q_SPLIT)
+        qh1, ql1 = _q_load8(q8_ptr, q8_off, hmask, 128, 128, Q_SPLIT)
+        qh2, ql2 = _q_load8(q8_ptr, q8_off, hmask, 256, 128, Q_SPLIT)
+        qh3, ql3 = _q_load8(q8_ptr, q8_off, hmask, 384, 128, Q_SPLIT)
+        qph, qpl = _q_load8(q8_ptr, q8_off, hmask, 512, 64, Q_SPLIT)
+    else:
+        q_sc, inv = _q_scale(q_nope_ptr, q_pe_ptr, qn_off, qp_off, hmask, DS)
+        qh0, ql0 = _q_fp8(q_nope_ptr, qn_off, hmask, 0, inv, 128, Q_SPLIT, EMU)
+        qh1, ql1 = _q_fp8(q_nope_ptr, qn_off, hmask, 128, inv, 128, Q_SPLIT, EMU)
+        qh2, ql2 = _q_fp8(q_nope_ptr, qn_off, hmask, 256, inv, 128, Q_SPLIT, EMU)
+        qh3, ql3 = _q_fp8(q_nope_ptr, qn_off, hmask, 384, inv, 128, Q_SPLIT, EMU)
+        qph, qpl = _q_fp8(q_pe_ptr, qp_off, hmask, 0, inv, 64, Q_SPLIT, EMU)  # unused for ds_mla
     if DS:
         q_r = tl.load(q_pe_ptr + qp_off[:, None] + d64[None, :], mask=hmask[:, None], other=0.0)
         if EMU:
             q_r = q_r.to(tl.float32)
         else:
             q_r = q_r.to(tl.bfloat16)
-        qph = qh0  # unused
-        qpl = qh0
-    else:
-        qph, qpl = _q_fp8(q_pe_ptr, qp_off, hmask, 0, inv, 64, Q_SPLIT, EMU)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -220,13 +270,24 @@ def _mla_decode_fp8_rows_kernel(
             kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
             if EMU:
                 kr = kr.to(tl.float32)
-            s = (_qk(qh0, ql0, k0, Q_SPLIT) * sc0[None, :] + _qk(qh1, ql1, k1, Q_SPLIT) * sc1[None, :]
-                 + _qk(qh2, ql2, k2, Q_SPLIT) * sc2[None, :] + _qk(qh3, ql3, k3, Q_SPLIT) * sc3[None, :])
+            # sum_g sc_g * d_g chained: ((d0 * sc0/sc1 + d1) * sc1/sc2 + d2) * sc2/sc3 + d3) * sc3; the
+            # ratios are powers of two (exact); masked tokens take scale 1 here
+            u0 = tl.where(nmask, sc0, 1.0)
+            u1 = tl.where(nmask, sc1, 1.0)
+            u2 = tl.where(nmask, sc2, 1.0)
+            u3 = tl.where(nmask, sc3, 1.0)
+            s = _qk(qh0, ql0, k0, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_SPLIT) * (u0 / u1)[None, :]
+            s = _qk(qh1, ql1, k1, s, Q_SPLIT) * (u1 / u2)[None, :]
+            s = _qk(qh2, ql2, k2, s, Q_SPLIT) * (u2 / u3)[None, :]
+            s = _qk(qh3, ql3, k3, s, Q_SPLIT) * u3[None, :]
             s = s * q_sc[:, None] + tl.dot(q_r, tl.trans(kr))
         else:
             kp = tl.load(kv8_ptr + rows[:, None] * ROW + 512 + d64[None, :], mask=nmask[:, None], other=0.0)
-            s = (_qk(qh0, ql0, k0, Q_SPLIT) + _qk(qh1, ql1, k1, Q_SPLIT) + _qk(qh2, ql2, k2, Q_SPLIT)
-                 + _qk(qh3, ql3, k3, Q_SPLIT) + _qk(qph, qpl, kp, Q_SPLIT)) * q_sc[:, None]
+            s = _qk(qph, qpl, kp, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_SPLIT)
+            s = _qk(qh0, ql0, k0, s, Q_SPLIT)
+            s = _qk(qh1, ql1, k1, s, Q_SPLIT)
+            s = _qk(qh2, ql2, k2, s, Q_SPLIT)
+            s = _qk(qh3, ql3, k3, s, Q_SPLIT) * q_sc[:, None]
         s = tl.where(nmask[None, :], s * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may be all -1 slots
@@ -239,16 +300,16 @@ def _mla_decode_fp8_rows_kernel(
             mx1 = tl.maximum(tl.max(sc1), 1e-30)
             mx2 = tl.maximum(tl.max(sc2), 1e-30)
             mx3 = tl.maximum(tl.max(sc3), 1e-30)
-            acc0 = acc0 * alpha[:, None] + _pv(p * (sc0 * (256.0 / mx0))[None, :], k0, PV, P_SPLIT, EMU) * mx0
-            acc1 = acc1 * alpha[:, None] + _pv(p * (sc1 * (256.0 / mx1))[None, :], k1, PV, P_SPLIT, EMU) * mx1
-            acc2 = acc2 * alpha[:, None] + _pv(p * (sc2 * (256.0 / mx2))[None, :], k2, PV, P_SPLIT, EMU) * mx2
-            acc3 = acc3 * alpha[:, None] + _pv(p * (sc3 * (256.0 / mx3))[None, :], k3, PV, P_SPLIT, EMU) * mx3
+            acc0 = _pv(p * (sc0 * (256.0 / mx0))[None, :], k0, acc0 * (alpha / mx0)[:, None], PV, P_SPLIT, EMU) * mx0
+            acc1 = _pv(p * (sc1 * (256.0 / mx1))[None, :], k1, acc1 * (alpha / mx1)[:, None], PV, P_SPLIT, EMU) * mx1
+            acc2 = _pv(p * (sc2 * (256.0 / mx2))[None, :], k2, acc2 * (alpha / mx2)[:, None], PV, P_SPLIT, EMU) * mx2
+            acc3 = _pv(p * (sc3 * (256.0 / mx3))[None, :], k3, acc3 * (alpha / mx3)[:, None], PV, P_SPLIT, EMU) * mx3
         else:
             x = p * 256.0
-            acc0 = acc0 * alpha[:, None] + _pv(x, k0, PV, P_SPLIT, EMU)
-            acc1 = acc1 * alpha[:, None] + _pv(x, k1, PV, P_SPLIT, EMU)
-            acc2 = acc2 * alpha[:, None] + _pv(x, k2, PV, P_SPLIT, EMU)
-            acc3 = acc3 * alpha[:, None] + _pv(x, k3, PV, P_SPLIT, EMU)
+            acc0 = _pv(x, k0, acc0 * alpha[:, None], PV, P_SPLIT, EMU)
+            acc1 = _pv(x, k1, acc1 * alpha[:, None], PV, P_SPLIT, EMU)
+            acc2 = _pv(x, k2, acc2 * alpha[:, None], PV, P_SPLIT, EMU)
+            acc3 = _pv(x, k3, acc3 * alpha[:, None], PV, P_SPLIT, EMU)
 
     l_safe = tl.maximum(l_i, 1e-30)
     inv_l = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
@@ -271,8 +332,8 @@ def _mla_decode_fp8_rows_kernel(
 # GPU tuning (H200, scripts/gpu_rows.py; docs/perf-notes.md "Run 5"): per precision, the P.V mode
 # and tile; the splits fill one wave of ``ctas_per_sm`` CTAs per SM.
 GPU_DEFAULTS = {
-    "fast": dict(pv="fp8", block_n=64, num_stages=2, ctas_per_sm=1),
-    "accurate": dict(pv="fp8", block_n=64, num_stages=2, ctas_per_sm=1),
+    "fast": dict(pv="fp8", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
+    "accurate": dict(pv="fp8", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
 }
 
 
@@ -325,7 +386,7 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
                         token_indices: torch.Tensor | None = None, max_len: int | None = None,
                         num_splits: int | None = None, return_lse: bool = False, pv: str | None = None,
                         block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, ctas_per_sm: float | None = None):
+                        num_stages: int | None = None, ctas_per_sm: float | None = None, q_pre: bool | None = None):
     """MLA decode over FP8 token rows, dense (page table) or sparse (token slots).
 
     Parameters
@@ -342,8 +403,9 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
         (a power of two 1..128); max_len (the longest kv_lens) spares a device -> host read.
     Sparse: token_indices [B, topk] int32 rows of kv_rows, -1 = masked (never read); the page
         table is not read.
-    num_splits, pv ("fp8" | "f16"), block_n, block_h, num_warps, num_stages, ctas_per_sm : tuning;
-        None takes ``GPU_DEFAULTS`` (CPU: one split, fp32 16-bit paths).
+    num_splits, pv ("fp8" | "f16"), block_n, block_h, num_warps, num_stages, ctas_per_sm, q_pre
+        (quantize the query in its own launch, [B, H, 2, 576] e4m3 + [B, H] fp32, instead of in every
+        program) : tuning; None takes ``GPU_DEFAULTS`` (CPU: one split, fp32 16-bit paths).
 
     Returns
     -------
@@ -382,7 +444,7 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     cfg = dict(GPU_DEFAULTS[precision])
     if not on_gpu:
         cfg.update(block_n=64, num_stages=1)
-    given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm)
+    given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre)
     cfg.update({k: v for k, v in given.items() if v is not None})
     bn = cfg["block_n"]
     if bn < 16 or bn & (bn - 1):
@@ -401,15 +463,23 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
+    q8 = qsc = lse_buf
+    if cfg["q_pre"]:
+        q8 = torch.empty(B, H, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
+        qsc = torch.empty(B, H, dtype=torch.float32, device=dev)
+        bq = 16 if on_gpu else 64
+        _quantize_q_kernel[(B, triton.cdiv(H, bq))](
+            q_nope, q_pe, q8, qsc, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+            DS=ds, Q_SPLIT=accurate, EMU=not on_gpu, BLOCK_H=bq, num_warps=4)
     kv8 = kv_rows.view(torch.float8_e4m3fn)
     kvs = kv_rows.view(torch.float32) if ds else kv8  # the same bytes; the kernel reads what its layout has
     kvr = kv_rows.view(torch.bfloat16) if ds else kv8
     _mla_decode_fp8_rows_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv8, kvs, kvr, indptr, indices, lens, tok, o_buf, lse_buf,
+        q_nope, q_pe, kv8, kvs, kvr, indptr, indices, lens, tok, q8, qsc, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, out_scale, H, num_splits, topk,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         ROW=LAYOUT_ROW[kv_layout], DS=ds, SPARSE=sparse, PAGE=page, BLOCK_N=bn, BLOCK_H=block_h, DIRECT=direct,
-        Q_SPLIT=accurate, PV=pv_mode, P_SPLIT=accurate and pv_mode == 0, EMU=not on_gpu,
+        Q_SPLIT=accurate, PV=pv_mode, P_SPLIT=accurate and pv_mode == 0, EMU=not on_gpu, Q_PRE=bool(cfg["q_pre"]),
         num_warps=num_warps, num_stages=cfg["num_stages"],
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))

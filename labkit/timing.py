@@ -7,7 +7,7 @@ are marked ``device="cpu"`` and only show shapes and trends, never GPU speed.
 
     t = bench(lambda: backend.decode(q_nope, q_pe, pool, 0, batch, sm_scale))
     t.median_ms, t.p20_ms, t.p80_ms, t.us
-    graph_times(lambda layer: plan.run(q_nope, q_pe, layer), layers=4).us   # CUDA graph, rotating layers
+    graph_times(lambda layer: plan.run(q_nope, q_pe, layer), range(4)).us   # CUDA graph, rotating layers
     host_us(lambda layer: plan.run(q_nope, q_pe, layer), layers=4)          # eager wall time per call
 """
 from __future__ import annotations
@@ -156,34 +156,46 @@ def host_us(fn, layers: int = 1, calls: int = 50, repeats: int = 5, warmup: int 
     return quantile(per_call, 0.5)
 
 
-def graph_times(fn, layers: int = 1, replays: int = 20, device=None) -> Timing:
-    """CUDA-graph timing of ``fn(layer)``: one graph holds ``fn(0) .. fn(layers - 1)`` (rotating
-    layers: a layer's KV is not in L2 when its call comes), each replay is timed by events and
-    divided by ``layers``; median and percentiles per call, no host work in the figure.
+def graph_times(fn_of_layer, layers, *, replays: int = 20, warmup: int = 2, device=None) -> Timing:
+    """Median time of one call of ``fn_of_layer(layer)``, per call, over rotating layers.
 
-    ``fn`` must be capturable (no host sync, no host -> device copy); it runs eagerly on a side
-    stream first, so that compilation, plans and their scratch happen outside the capture."""
-    dev = torch.device(device or "cuda")
+    CUDA: one graph captures one call per layer of ``layers`` (several layers, so that the KV a
+    call reads has left L2 by the time its layer comes round again, as in a decode step), is
+    replayed ``warmup`` then ``replays`` times with device events around each replay; each sample
+    is replay time / len(layers). The calls run once eagerly first (compiles, plans).
+    CPU: the same rotation timed with ``time.perf_counter`` (shapes and trends only)."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError("graph_times: layers is empty; give at least one layer")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type != "cuda":
-        raise ValueError(f"graph_times needs a CUDA device, got device={dev}")
+        times = []
+        for _ in range(warmup + replays):
+            t0 = _clock()
+            for layer in layers:
+                fn_of_layer(layer)
+            times.append((_clock() - t0) * 1e3 / len(layers))
+        return summarize(times[warmup:], "cpu", "perf_counter")
     with torch.cuda.device(dev):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for i in range(layers):
-                fn(i)
+        with torch.cuda.stream(side):  # eager warm-up off the default stream, as capture wants
+            for layer in layers:
+                fn_of_layer(layer)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i in range(layers):
-                fn(i)
-        graph.replay()
-        torch.cuda.synchronize()
+            for layer in layers:
+                fn_of_layer(layer)
+        for _ in range(warmup):
+            graph.replay()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
         for start, end in events:
             start.record()
             graph.replay()
             end.record()
         torch.cuda.synchronize()
-        return summarize([s.elapsed_time(e) / layers for s, e in events], "cuda", "cuda-graph")
+        times = [s.elapsed_time(e) / len(layers) for s, e in events]
+        del graph
+    return summarize(times, "cuda", "cuda-graph")
