@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .kvlayout import KV_LAYOUTS
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA_DIR / "models"
 
@@ -134,6 +136,7 @@ class LabParams:
     batch_size: int = 4
     context_lens: object = 1024  # int, list or "uniform:LOW:HIGH"
     kv_dtype: str = "fp8_e4m3"
+    kv_layout: str | None = None  # labkit.kvlayout name; None: the one kv_dtype means (set by validate)
     device: str = "auto"
     seed: int = 0
     cfg: ModelConfig = field(init=False, repr=False, default=None)
@@ -163,9 +166,16 @@ class LabParams:
         return self.pool_tokens // self.page_size
 
     @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes of one token's row per layer: 576 x bytes per value, 656 for fp8_ds_mla."""
+        if self.kv_layout == "fp8_ds_mla":  # e4m3 NoPE, an fp32 scale per 128 of it, bf16 RoPE
+            return self.cfg.kv_lora_rank + 4 * (self.cfg.kv_lora_rank // 128) + 2 * self.cfg.qk_rope_head_dim
+        return self.cfg.kv_dim * KV_BYTES[self.kv_dtype]
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of KV held on the device: layers x pool tokens x 576 x bytes per value."""
-        return self.layers * self.num_pages * self.page_size * self.cfg.kv_dim * KV_BYTES[self.kv_dtype]
+        """Bytes of KV held on the device: layers x pool tokens x bytes per token."""
+        return self.layers * self.num_pages * self.page_size * self.bytes_per_token
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("cfg", "lens")}
@@ -197,6 +207,7 @@ class LabParams:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}; allowed: {sorted(KV_DTYPES)}")
+        self._check_layout()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
         if self.pool_tokens % ps:
@@ -212,16 +223,29 @@ class LabParams:
         self._check_memory()
         return self
 
+    def _check_layout(self) -> None:
+        """kv_layout among KV_LAYOUTS and stored in kv_dtype; None becomes kv_dtype's own layout."""
+        if self.kv_layout is None:
+            self.kv_layout = "bf16" if self.kv_dtype == "bf16" else "fp8_per_tensor"
+        if not isinstance(self.kv_layout, str) or self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}; allowed: {list(KV_LAYOUTS)} or None")
+        if (self.kv_layout == "bf16") != (self.kv_dtype == "bf16"):
+            fits = ["bf16"] if self.kv_dtype == "bf16" else [k for k in KV_LAYOUTS if k != "bf16"]
+            raise ValueError(f"kv_layout={self.kv_layout!r} does not store kv_dtype={self.kv_dtype!r}; "
+                             f"with kv_dtype={self.kv_dtype!r} allowed kv_layout: {fits}")
+
     def _check_memory(self) -> None:
         total = _device_memory_bytes(self.device)
         if total is None:
             return
         # the pool, plus the largest working copy any path makes: one layer in BF16
         need = self.pool_bytes + self.pool_tokens * self.cfg.kv_dim * 2
+        row = (f"{self.bytes_per_token} B ({self.kv_layout} rows)" if self.kv_layout == "fp8_ds_mla"
+               else f"{self.cfg.kv_dim} values x {KV_BYTES[self.kv_dtype]} B")
         if need > 0.9 * total:
             raise ValueError(
                 f"pool_tokens={self.pool_tokens}: {self.layers} layers x {self.pool_tokens} tokens x "
-                f"{self.cfg.kv_dim} values x {KV_BYTES[self.kv_dtype]} B = {self.pool_bytes / 2**30:.2f} GiB, "
+                f"{row} = {self.pool_bytes / 2**30:.2f} GiB, "
                 f"plus one BF16 layer copy ({self.pool_tokens * self.cfg.kv_dim * 2 / 2**30:.2f} GiB) = "
                 f"{need / 2**30:.2f} GiB > 90% of {self.device} memory ({total / 2**30:.2f} GiB)"
             )
