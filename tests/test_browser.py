@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import browser as lb
+import browser as lb  # tests/browser.py
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO / "notebooks"
