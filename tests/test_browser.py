@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 import browser as lb  # tests/browser.py
+from labkit import runner
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = runner.notebooks()  # in run order: the report last
 TIMEOUT_S = float(os.environ.get("LABKIT_BROWSER_TIMEOUT", "600"))
 
 pytestmark = pytest.mark.browser
@@ -108,7 +109,7 @@ def lab_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lab_runs(chromium, lab_server, request):
-    """Every notebook run once from the UI, in order (04 reports on what 00-03 recorded)."""
+    """Every notebook run once from the UI, in order (04, last, reports on what the others recorded)."""
     if not NOTEBOOKS:
         pytest.skip(f"no notebooks in {NOTEBOOK_DIR}")
     run_dir = lab_server.run_dir

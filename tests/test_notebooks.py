@@ -13,7 +13,7 @@ TOL_DEQUANT = 4e-3  # bf16 output against the float64 oracle (see test_paths.py)
 # not the defaults: an odd batch (uneven, not page multiples), 8 heads, page size 32, one layer
 OVERRIDES = dict(num_layers=1, tp_size=2, pool_tokens=4096, page_size=32, batch_size=3, context_lens=[100, 300, 65],
                  warmup_ms=2, rep_ms=10, pool_sweep=[1024, 32768], batch_sweep=[1, 12], heads_sweep=[4, 64],
-                 context_sweep=[33, 500], sweep_batch=2, sweep_context=200)
+                 context_sweep=[33, 500], sweep_batch=2, sweep_context=200, sparse_contexts=[64, 300], sparse_batch=2)
 
 
 def test_committed_notebooks_are_clean():
@@ -53,7 +53,7 @@ def test_run_folder_holds_notebooks_records_figures_and_report(run):
     for nb in runner.notebooks():
         assert (run_dir / nb.name).exists()
     assert (run_dir / "04_report.html").read_text().count("<img") >= 3
-    for fig in ("01_step_profile", "02_speedup_vs_batch", "03_roofline_heads", "04_tok_s"):
+    for fig in ("01_step_profile", "02_speedup_vs_batch", "03_roofline_heads", "04_tok_s", "05_tok_s", "04_dsa_tok_s"):
         assert (run_dir / f"{fig}.png").exists() and (run_dir / f"{fig}.svg").exists()
     measured = df[df.file != "04_step_model"]
     assert (measured.page_size == 32).all() and (measured.env_device == "cpu").all()
@@ -108,3 +108,25 @@ def test_04_report_models_the_step_for_three_paths(run):
     assert list(steps.path) == ["full_pool_cast", "gather_cast", "fp8_native"]
     assert steps.layers.eq(4).all() and steps.tok_s.notna().all()
     assert "Decode step and tokens per second" in (run[0] / "04_report.html").read_text()
+
+
+@pytest.mark.notebooks
+def test_05_sparse_step_profiled_checked_and_modelled(run):
+    df = run[1]
+    for backend, g in _file(df, "05_step_profile").groupby("backend"):
+        t = g.set_index("category").device_ms
+        assert t.drop("total").sum() == pytest.approx(t["total"]) and t["index"] > 0 and t["topk"] > 0, backend
+    paths = _file(df, "05_paths")
+    assert set(paths.path) == {"full_pool_cast", "gather_cast", "fp8_native", "bf16_pool"}
+    assert (paths.rel_err < TOL_DEQUANT).all()
+    sparse, dense = paths[paths["mode"] == "sparse"], paths[paths["mode"] == "dense"]
+    assert (sparse.topk == 256).all() and (dense.topk == 0).all()  # tiny's top-256
+    assert (sparse.tokens_read == 100 + 256 + 65).all() and (dense.tokens_read == 465).all()
+    cast = _file(df, "05_cast").iloc[0]
+    assert cast.pool_tokens == 4096 and cast.bytes_ratio == pytest.approx(4096 * (576 + 1152) / (421 * 1152))
+    sweep = _file(df, "05_context_sweep")
+    assert sorted(sweep.context_len.unique()) == [64, 300] and (sweep.groupby("context_len").cast_bytes.nunique() == 1).all()
+    steps = _file(df, "05_step_model").set_index("path")
+    assert (steps.layers == 4).all() and (steps.dense_layers == 1).all() and steps.tok_s.gt(0).all()
+    assert steps.cast_share.full_pool_cast > 0 and steps.cast_share.fp8_native == 0
+    assert "Step 4: GLM-5" in (run[0] / "04_report.html").read_text()
