@@ -2,7 +2,7 @@
 
 Used by ``tests/test_browser.py``; also runs on its own::
 
-    python -m labkit.browser notebooks/*.ipynb        # runs each from the UI, prints a summary
+    python tests/browser.py notebooks/*.ipynb        # runs each from the UI, prints a summary
 
 Pieces:
 
@@ -471,7 +471,7 @@ if __name__ == "__main__":
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
     if a.out is None:
-        from .results import new_run_dir
+        from labkit.results import new_run_dir
         a.out = str(new_run_dir(tag="browser"))
     print(f"screenshots and the notebooks' records (LABKIT_RUN_DIR): {a.out}")
     results = run_notebooks(a.notebooks, a.out, a.timeout, env={"LABKIT_RUN_DIR": str(Path(a.out).resolve())})
