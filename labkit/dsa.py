@@ -1,6 +1,6 @@
 """GLM-5's DSA decode step, layer by layer: the lightning indexer, its top-k, sparse MLA attention.
 
-    dl = dsa.build(p, kv_layout="fp8_per_tensor", run_dir=run)    # a few layers, pool sized to the device
+    dl = dsa.build(p, run_dir=run)    # p.kv_layout; a few layers, the pool sized to the device
     prof = dsa.profile_step(dl, dsa.pick(dl, "gather_cast"))      # index/topk/cast/gather/attention/merge
     steps = dsa.step_model(profiles, dense, dl.p.cfg)             # 78 layers, tok/s per path
 
@@ -90,11 +90,12 @@ def fit_layers(layers: int, pool_tokens: int, kv_layout: str, index_head_dim: in
     return max(1, min(layers, int(share * total // per_layer)))
 
 
-def build(p: config.LabParams, kv_layout: str = "fp8_per_tensor", index_topk: int | None = None,
-          index_n_heads: int | None = None, impl: str = "auto", run_dir=None, warmup_ms: float = 25,
-          rep_ms: float = 100) -> DsaLab:
-    """Pool (``p.layers`` layers, fewer when they do not fit the device), dense batch, MLA queries,
-    an indexer over every pool token, and the sparse batch of its top-k slots per layer."""
+def build(p: config.LabParams, index_topk: int | None = None, index_n_heads: int | None = None,
+          impl: str = "auto", run_dir=None, warmup_ms: float = 25, rep_ms: float = 100) -> DsaLab:
+    """Pool of ``p.kv_layout`` (``p.layers`` layers, fewer when they do not fit the device), dense
+    batch, MLA queries, an indexer over every pool token, and the sparse batch of its top-k slots
+    per layer."""
+    kv_layout = p.kv_layout
     cfg = model_cfg(p.model, index_topk, index_n_heads)
     if p.device == "cpu":
         torch.set_num_threads(1)  # as study.Lab: another process on a core stalls multi-threaded ops

@@ -22,8 +22,8 @@ def one_thread():
 def _lab(kv_layout="fp8_per_tensor", lens=(100, 300, 65), page_size=32, index_topk=128, num_layers=2):
     """tiny, 8 heads; requests of 100 and 65 tokens are shorter than top-128 (-1 slots)."""
     p = LabParams.make(model="tiny", num_layers=num_layers, tp_size=2, pool_tokens=1024, page_size=page_size,
-                       batch_size=len(lens), context_lens=list(lens), device="cpu")
-    return dsa.build(p, kv_layout, index_topk=index_topk, warmup_ms=1, rep_ms=1)
+                       batch_size=len(lens), context_lens=list(lens), kv_layout=kv_layout, device="cpu")
+    return dsa.build(p, index_topk=index_topk, warmup_ms=1, rep_ms=1)
 
 
 # -- the step model, by hand -----------------------------------------------------------------------
