@@ -14,14 +14,17 @@ from .config import LabParams
 
 PAGE_SIZE = 64
 SEED_POOL_TOKENS = -(-495_000 // PAGE_SIZE) * PAGE_SIZE  # 495,040: the study's 495K pool in whole pages
-IMPLS = ("auto", "torch", "triton", "seed")  # auto: seed/triton on a GPU, torch on a CPU
+# auto: backends.select, the fastest implementation measured here that allows the call (torch on a
+# CPU); any other name picks that implementation where the path has it (select elsewhere)
+IMPLS = ("auto", "torch", "triton", "seed", "triton_q8", "gluon", "triton_rows", "triton_rows_acc", "flashinfer")
+PRECISIONS = ("fast", "accurate")  # backends.PRECISIONS: accurate = rel. error <= 3e-3
 
 DEFAULTS = dict(
     # the model, the pool and the batch (labkit.config.LabParams)
     model="tiny", num_layers=2, tp_size=1, pool_tokens=8192, page_size=PAGE_SIZE,
     batch_size=2, context_lens=512, kv_dtype="fp8_e4m3", device="auto", seed=0,
     # how paths are picked and timed
-    impl="auto", warmup_ms=5, rep_ms=20,
+    impl="auto", precision="fast", warmup_ms=5, rep_ms=20,
     # sweeps (01, 02, 03)
     pool_sweep=[2048, 8192, 32768],  # pool tokens; the batch stays the same
     batch_sweep=[1, 4, 8, 16],  # requests of context_lens tokens, at pool_tokens
@@ -100,6 +103,8 @@ def check(params: dict) -> LabParams:
     p = LabParams.make(**{k: params[k] for k in LAB_FIELDS if k in params})
     if params.get("impl") not in IMPLS:
         raise ValueError(f"impl={params.get('impl')!r}; allowed: {list(IMPLS)}")
+    if params.get("precision") not in PRECISIONS:
+        raise ValueError(f"precision={params.get('precision')!r}; allowed: {list(PRECISIONS)}")
     for name in ("warmup_ms", "rep_ms"):
         v = params[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:

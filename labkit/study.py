@@ -113,17 +113,39 @@ class Lab:
         return save(rows, self.run_dir, name, self.p)
 
 
-def pick(path: str, impl: str = "auto", device: str = "cpu") -> backends.Backend:
-    """The backend for ``path``. ``auto``: torch on a CPU; on a GPU the seed's cast for
-    full_pool_cast, Triton elsewhere (torch when no Triton backend is registered)."""
-    cuda = str(device).startswith("cuda")
-    if impl == "auto":
-        impl = ("seed" if path == "full_pool_cast" else "triton") if cuda else "torch"
-    names = backends.names(path)
-    for cand in (impl, "triton", "torch") if impl == "seed" else (impl,):
-        if f"{path}.{cand}" in names:
-            return backends.get(f"{path}.{cand}")
-    return backends.get(f"{path}.{impl}")  # raises, naming what is allowed
+def pick(path: str, impl: str = "auto", device: str = "cpu", precision: str = "fast",
+         lab: "Lab | None" = None) -> backends.Backend:
+    """The backend for ``path``. ``auto``: ``backends.select`` for this call (the lab's batch, heads and
+    pool, the BF16 copy for ``bf16_pool``; without a lab a one-request probe on ``device``): the fastest
+    implementation measured here whose rules allow it at ``precision``. Another name picks that
+    implementation where the path has it, else ``auto``."""
+    if impl != "auto":
+        if f"{path}.{impl}" in backends.names(path):
+            return backends.get(f"{path}.{impl}")
+        known = sorted({r["impl"] for r in backends.capability_table()})
+        if impl not in known:
+            raise ValueError(f"impl={impl!r}; allowed: {['auto'] + known}")
+    on = _probe(path, device) if lab is None else (lab.bf16() if path == "bf16_pool" and lab.pool.kv_dtype != "bf16"
+                                                   else lab)
+    return backends.select(path, on.q_nope, on.pool, on.batch, precision)
+
+
+def _probe(path: str, device: str):
+    """A one-layer, one-request call for ``select`` when there is no lab: 16 heads, pages of 64."""
+    from types import SimpleNamespace
+
+    pool = random_pool(1, 128, 64, "bf16" if path == "bf16_pool" else "fp8_e4m3", device=device)
+    q_nope, _ = make_queries(1, 16, device=device)
+    return SimpleNamespace(q_nope=q_nope, pool=pool, batch=batch_for_pool(pool, [100]))
+
+
+def fastest_fp8_native(records: pd.DataFrame, value: str = "device_ms") -> pd.Series:
+    """The record of the fastest of our ``fp8_native`` kernels (peers left out): the minimum of
+    ``value`` over those records; what notebook 03 reports."""
+    ours = records[(records.path == "fp8_native") & (records.impl != "flashinfer") & records[value].notna()]
+    if ours.empty:
+        raise ValueError(f"no fp8_native records with {value!r} among {len(records)} records")
+    return ours.loc[ours[value].idxmin()]
 
 
 def _on(lab: Lab, backend) -> Lab:
@@ -150,9 +172,10 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     return row
 
 
-# (backend, on the BF16 copy of the pool): our FP8 kernels (the TMA-fed and Gluon ones where the device,
-# page size and head count allow) and FlashInfer's MLA kernels
-PEERS = (("fp8_native.triton_q8", False), ("fp8_native.triton_tma", False), ("fp8_native.gluon", False),
+# (backend, on the BF16 copy of the pool): our FP8 kernels (the Gluon one where the device, page size and
+# head count allow) and FlashInfer's MLA kernels
+PEERS = (("fp8_native.triton_q8", False), ("fp8_native.gluon", False), ("fp8_native.triton_rows", False),
+         ("fp8_native.triton_rows_acc", False),
          ("flashinfer_mla", False), ("flashinfer_mla", True), ("flashinfer_mla_fp8", False))
 
 
@@ -194,12 +217,14 @@ def compare_outputs(lab: Lab, names: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto", ceilings=None) -> pd.DataFrame:
-    """The paths on the lab's batch: time, bytes, extra memory (measured, predicted), roofline, error."""
+def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto", ceilings=None,
+                 precision: str = "fast") -> pd.DataFrame:
+    """The paths on the lab's batch, each by ``pick`` (``auto``: ``backends.select`` at ``precision``):
+    time, bytes, extra memory (measured, predicted), roofline, error."""
     ref = oracle(lab)
     rows = []
     for path in paths:
-        b = pick(path, impl, lab.device)
+        b = pick(path, impl, lab.device, precision, lab)
         on = _on(lab, b)
         s = on.shape()
         err = reference.rel_err(on.decode(b), ref)
@@ -309,16 +334,17 @@ def memory_table(p: LabParams) -> pd.DataFrame:
 _profiler_started = False
 
 
-def profile_step(lab: Lab, backend, layers=None, repeats: int = 1) -> pd.DataFrame:
+def profile_step(lab: Lab, backend, layers=None, repeats: int = 1, trace_path=None) -> pd.DataFrame:
     """labkit.profiling's breakdown of one decode step (all the pool's layers) as rows with timing
-    keys; with ``repeats`` > 1 the per-category median of that many profiled steps."""
+    keys; with ``repeats`` > 1 the per-category median of that many profiled steps. ``trace_path``
+    (e.g. in the run folder): the first profiled step's Chrome trace (chrome://tracing, Perfetto)."""
     global _profiler_started
-    run = lambda n: profile_decode_step(backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale,  # noqa: E731
-                                        layers=n)
+    run = lambda n, trace=None: profile_decode_step(  # noqa: E731
+        backend, lab.q_nope, lab.q_pe, lab.pool, lab.batch, lab.sm_scale, layers=n, trace_path=trace)
     if not _profiler_started:  # the first profile in a process pays the profiler's start-up: not this one
         run(1)
         _profiler_started = True
-    profs = [run(layers) for _ in range(repeats)]
+    profs = [run(layers, trace_path if i == 0 else None) for i in range(repeats)]
     df = profs[0].copy()
     df["device_ms"] = pd.concat([p.device_ms for p in profs], axis=1).median(axis=1)
     total = df.device_ms[df.category != "total"].sum()

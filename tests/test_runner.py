@@ -13,7 +13,7 @@ import papermill as pm
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit import cli, config, profiles, results, runner
+from labkit import cli, config, profiles, profiling, results, runner
 
 
 def run_cli(capsys, *argv):
@@ -169,6 +169,8 @@ def test_sigkill_leaves_a_folder_that_load_runs_and_the_report_call_partial(tmp_
     proc.wait(timeout=60)
     (folder,) = runs.iterdir()
     assert not (folder / results.FINISHED).exists()
+    trace = json.loads((folder / "01_step_trace.json").read_text())  # notebook 01's profiled step
+    assert any(e.get("name") == profiling.STEP_RANGE for e in trace["traceEvents"])
     df = results.load_runs(folder)
     assert len(df) and not df.run_finished.any() and set(df.run_state) == {"partial"}
     monkeypatch.delenv("LABKIT_RUN_DIR", raising=False)

@@ -1,11 +1,12 @@
 """labkit.study on small CPU shapes: cases, picks, the paths side by side, sweeps, records, the step model."""
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from labkit import results, stepmodel, study
+from labkit import backends, results, stepmodel, study
 from labkit.config import LabParams
 
 # bf16 output (8 mantissa bits) against the float64 oracle on the dequantized pool; see test_paths.py
@@ -32,10 +33,49 @@ def test_lab_shape_and_cases(lab):
 
 
 def test_pick_by_device_and_impl(lab):
-    assert study.pick("fp8_native", "auto", "cpu").name == "fp8_native.torch"
-    assert study.pick("full_pool_cast", "seed", "cpu").path == "full_pool_cast"  # falls back off the GPU
-    with pytest.raises(ValueError, match="allowed"):
+    assert study.pick("fp8_native", "auto", "cpu").name == "fp8_native.torch"  # torch before the interpreter
+    assert study.pick("fp8_native", "auto", lab=lab).name == "fp8_native.torch"
+    assert study.pick("fp8_native", "gluon", "cpu").name == "fp8_native.gluon"  # named: taken as named
+    assert study.pick("full_pool_cast", "seed", "cpu").name == "full_pool_cast.seed"
+    assert study.pick("bf16_pool", "seed", "cpu", lab=lab).path == "bf16_pool"  # no such impl there: select
+    with pytest.raises(ValueError, match=r"impl='cutlass'; allowed: \['auto', "):
         study.pick("fp8_native", "cutlass", "cpu")
+
+
+def test_auto_is_select_with_the_labs_call_and_precision(lab, monkeypatch):
+    seen = []
+    real = backends.select
+    monkeypatch.setattr(backends, "select", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
+    study.pick("fp8_native", "auto", lab=lab, precision="accurate")
+    study.pick("bf16_pool", "auto", lab=lab)
+    (path, qn, pool, batch, precision), _ = seen[0]
+    assert (path, precision) == ("fp8_native", "accurate") and qn is lab.q_nope and pool is lab.pool
+    assert batch is lab.batch and seen[1][0][2].kv_dtype == "bf16"  # bf16_pool chooses on the BF16 copy
+
+
+def test_fastest_fp8_native_is_the_minimum_over_records():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    rows = [dict(path=p, impl=i, backend=f"{p}.{i}", device_ms=float(rng.uniform(0.01, 1)))
+            for p, i in [("fp8_native", "torch"), ("fp8_native", "triton_q8"), ("fp8_native", "gluon"),
+                         ("fp8_native", "flashinfer"), ("bf16_pool", "triton"), ("fp8_native", "triton_rows")]]
+    rows[3]["device_ms"] = 1e-6  # a peer faster than all: not ours
+    rows.append(dict(path="fp8_native", impl="triton", backend="fp8_native.triton", device_ms=float("nan")))
+    df = pd.DataFrame(rows)
+    best = study.fastest_fp8_native(df)
+    ours = df[(df.path == "fp8_native") & (df.impl != "flashinfer")].device_ms
+    assert best.device_ms == ours.min() and best.backend == df.loc[ours.idxmin(), "backend"]
+    with pytest.raises(ValueError, match="no fp8_native records"):
+        study.fastest_fp8_native(df[df.path == "bf16_pool"])
+
+
+def test_notebook_03_reports_the_helpers_figure():
+    import nbformat
+
+    nb = nbformat.read(Path(__file__).resolve().parent.parent / "notebooks" / "03_fp8_native_backends.ipynb", 4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "study.fastest_fp8_native(" in code and "precision" in code
 
 
 def test_gather_equals_full_cast_bit_for_bit(lab):
@@ -130,13 +170,12 @@ def test_peers_rows_are_checked_or_say_why():
                        context_lens=[70, 33], device="cpu")
     lab = study.Lab.build(p, warmup_ms=1, rep_ms=1)
     df = study.peers(lab)
-    assert list(df.label) == ["fp8_native.triton_q8 [FP8 pool]", "fp8_native.triton_tma [FP8 pool]",
-                              "fp8_native.gluon [FP8 pool]", "flashinfer_mla [FP8 pool]",
-                              "flashinfer_mla [BF16 pool]", "flashinfer_mla_fp8 [FP8 pool]"]
-    assert "page_size=16; allowed [64, 128]" in df.iloc[1].note  # the TMA kernel's rule, before any launch
-    assert "needs a CUDA device" in df.iloc[2].note  # Gluon has no CPU interpreter
+    assert list(df.label) == ["fp8_native.triton_q8 [FP8 pool]", "fp8_native.gluon [FP8 pool]",
+                              "fp8_native.triton_rows [FP8 pool]", "fp8_native.triton_rows_acc [FP8 pool]",
+                              "flashinfer_mla [FP8 pool]", "flashinfer_mla [BF16 pool]", "flashinfer_mla_fp8 [FP8 pool]"]
+    assert "needs a CUDA device" in df.iloc[1].note  # Gluon has no CPU interpreter
     ours = df.iloc[0]
     # FP8 query, one scale per request and head block: e4m3 rounding of q dominates (~6e-3)
     assert ours.note == "" and 0 < ours.rel_err < 2e-2 and ours.device_ms > 0
     if importlib.util.find_spec("flashinfer") is None:
-        assert df.iloc[3:].note.str.contains("flashinfer").all()
+        assert df.iloc[4:].note.str.contains("flashinfer").all()
