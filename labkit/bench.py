@@ -1,12 +1,18 @@
 """The decode paths side by side over a grid of shapes: checked, timed, tabled, recorded.
 
-    python -m labkit.bench --grid gpu          # or: labkit bench --grid gpu
-    python -m labkit.bench --grid cpu          # small; CPU figures only show that it runs
+    python -m labkit.bench --grid gpu [--write-select]   # or: labkit bench --grid gpu
+    python -m labkit.bench --grid cpu                    # tiny; CPU figures only show that it runs
 
-Every provider is first checked against an fp32 oracle on the same batch, then timed with
-``labkit.timing.bench`` (warm-up, L2 flush, medians of device events). Rows carry bytes, FLOPs,
-achieved GB/s and TFLOP/s, percent of the roofline measured in the same run, peak extra memory
-and the environment, and go to ``<run_dir>/bench.parquet``.
+Every implementation of every path and FlashInfer's MLA kernels (when they import) run on the same
+batch, dense or sparse (top-k token slots), on an FP8 pool of the shape's layout and on a BF16 pool
+of the same values. Each is planned once (``Backend.plan``), checked against the float32 oracle of
+the same run (``rel_err``), then timed through ``labkit.timing``: ``median_ms`` by do_bench (L2
+flushed), ``graph_us`` from CUDA-graph replays over rotating layers, ``host_us`` the eager wall time
+per call. Rows carry bytes, FLOPs, GB/s, TFLOP/s and percent of the roofline measured in the same
+run, ``precision``, ``topk`` (0 = dense), ``kv_layout``, peak extra memory and the environment, and
+go to ``<run_dir>/bench.parquet``; what cannot run here is a row whose ``note`` says why. After a GPU
+run the preference table that ``backends.select`` reads is written into the run folder, and with
+``--write-select`` into ``data/select/`` as well.
 """
 from __future__ import annotations
 
@@ -16,18 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backends, kvpool, memory, reference, results, roofline, timing
+from . import backends, kvpool, memory, preferences, reference, results, roofline, timing
 from .kvpool import KVPool
 
 
 @dataclass(frozen=True)
 class Shape:
-    name: str  # what the shape is for: mem, compute, heads, seed
+    name: str  # what the shape is for: mem, heads, one, sparse, seed
     heads: int
     batch: int
     ctx: int
     pool_tokens: int = 0  # 0: just enough pages for the batch, plus 5%
     page_size: int = 64
+    topk: int = 0  # sparse: top-k token slots per request drawn from its context; 0: dense
+    kv_layout: str = "fp8_per_tensor"  # the FP8 pool's layout (labkit.kvlayout)
 
     def pool(self) -> int:
         need = self.batch * -(-self.ctx // self.page_size) * self.page_size
@@ -35,92 +43,118 @@ class Shape:
 
 
 K = 1024
+TOPK = 2048
 SEED_POOL = 495_040  # the seed's 495K-token pool, rounded to 64-token pages
 GRIDS = {
-    "cpu": [Shape("mem", 4, 2, 300, page_size=16), Shape("seed", 4, 1, 256, pool_tokens=16 * K, page_size=16)],
-    "gpu": [
-        *[Shape("mem", h, b, c) for h in (8, 16) for b, c in ((32, 4 * K), (64, 8 * K), (128, 8 * K), (32, 32 * K))],
+    "cpu": [Shape("mem", 4, 2, 300, page_size=16), Shape("seed", 4, 1, 256, pool_tokens=4 * K, page_size=16),
+            *[Shape("sparse", 4, 2, 300, page_size=1, topk=64, kv_layout=lay)
+              for lay in ("fp8_per_tensor", "fp8_ds_mla")]],
+    "gpu": [  # the targets of the FP8-native issue, FlashInfer in the same run
+        *[Shape("mem", h, 64, 8 * K) for h in (8, 16)], Shape("mem", 16, 32, 32 * K),
         *[Shape("heads", h, 64, 8 * K) for h in (32, 64, 128)],
-        Shape("compute", 128, 32, 32 * K),
-        *[Shape("seed", h, 1, 8 * K, pool_tokens=SEED_POOL) for h in (16, 64)],
+        *[Shape("one", h, 1, 8 * K) for h in (16, 64, 128)],
+        *[Shape("sparse", h, b, 32 * K, page_size=1, topk=TOPK, kv_layout=lay)
+          for h, b in ((16, 64), (64, 64), (128, 64), (64, 128), (128, 128))
+          for lay in ("fp8_per_tensor", "fp8_ds_mla")],
+        Shape("seed", 16, 1, 8 * K, pool_tokens=SEED_POOL),
     ],
-    "gpu-quick": [Shape("mem", 16, 64, 8 * K), Shape("compute", 128, 64, 8 * K),
-                  Shape("seed", 16, 1, 8 * K, pool_tokens=SEED_POOL)],
+    "gpu-quick": [Shape("mem", 16, 64, 8 * K), Shape("heads", 128, 64, 8 * K), Shape("one", 64, 1, 8 * K),
+                  Shape("sparse", 64, 64, 32 * K, page_size=1, topk=TOPK)],
 }
-# (label, backend, which pool it reads); a provider whose backend is not registered is skipped
-PROVIDERS = [
-    ("full_pool_cast.seed", "full_pool_cast.seed", "fp8"),
-    ("full_pool_cast.triton", "full_pool_cast.triton", "fp8"),
-    ("gather_cast.triton", "gather_cast.triton", "fp8"),
-    ("fp8_native.triton", "fp8_native.triton", "fp8"),
-    ("fp8_native.triton_q8", "fp8_native.triton_q8", "fp8"),
-    ("fp8_native.triton_tma", "fp8_native.triton_tma", "fp8"),
-    ("fp8_native.gluon", "fp8_native.gluon", "fp8"),
-    ("bf16_pool.triton", "bf16_pool.triton", "bf16"),
-    ("flashinfer_mla+cast", "flashinfer_mla", "fp8"),
-    ("flashinfer_mla[bf16]", "flashinfer_mla", "bf16"),
-    ("flashinfer_mla_fp8", "flashinfer_mla_fp8", "fp8"),
-]
-
-
-CPU_PROVIDERS = [(n, n, "fp8") for n in ("full_pool_cast.torch", "gather_cast.torch", "fp8_native.torch",
-                                          "fp8_native.triton")] + [("bf16_pool.torch", "bf16_pool.torch", "bf16")]
-SEED_PROVIDERS = {"full_pool_cast.seed", "full_pool_cast.triton", "gather_cast.triton", "fp8_native.triton",
-                  "fp8_native.triton_q8", "fp8_native.triton_tma", "fp8_native.gluon",
-                  "flashinfer_mla+cast", "flashinfer_mla_fp8", "full_pool_cast.torch", "gather_cast.torch",
-                  "fp8_native.torch"}
+# peers: (label, backend, pool it reads); every registered implementation of ours is measured too
+PEERS = [("flashinfer_mla+cast", "flashinfer_mla", "fp8"), ("flashinfer_mla[bf16]", "flashinfer_mla", "bf16"),
+         ("flashinfer_mla_fp8", "flashinfer_mla_fp8", "fp8")]
+CPU_TRITON = ("fp8_native.triton",)  # the CPU grid's one interpreted kernel: the interpreter is slow
+SEED_PATHS = ("full_pool_cast", "gather_cast", "fp8_native")  # the seed's pool: whole-pool casts are slow
 SM_SCALE = 1 / 16  # GLM-5: 1/sqrt(192 + 64)
 REF_TOL = 5e-2  # a provider further than this from the oracle is reported, not timed
 
 
-def _pools(shape: Shape, device, seed: int):
-    fp8 = kvpool.random_pool(1, shape.pool(), shape.page_size, device=device, seed=seed)
-    bf16 = KVPool(fp8.dequant(0).to(torch.bfloat16)[None], torch.ones(1), fp8.kv_lora_rank)  # same values
+def providers(device: str, names=None) -> list[tuple]:
+    """(label, backend name, "fp8" | "bf16" pool): every implementation of ours registered here (on a
+    GPU without the torch references, on a CPU the torch paths and ``CPU_TRITON``), then the peers,
+    registered or not (a row says why)."""
+    backends._load_optional()
+    ours = []
+    for n in backends.names():
+        b = backends.get(n)
+        keep = b.impl != "torch" if device == "cuda" else (b.impl == "torch" or n in CPU_TRITON)
+        if keep and b.impl != "flashinfer":
+            ours.append((n, n, "bf16" if b.path == "bf16_pool" else "fp8"))
+    return [p for p in ours + PEERS if names is None or p[0] in names]
+
+
+def _pools(shape: Shape, device, seed: int, layers: int):
+    fp8 = kvpool.random_pool(layers, shape.pool(), shape.page_size, device=device, seed=seed, kv_layout=shape.kv_layout)
+    bf16 = KVPool(torch.stack([fp8.dequant(i, torch.bfloat16) for i in range(layers)]), torch.ones(layers),
+                  fp8.kv_lora_rank)  # the same real values
     return {"fp8": fp8, "bf16": bf16}
 
 
-def _providers(device: str, names=None):
-    provs = PROVIDERS if device == "cuda" else CPU_PROVIDERS
-    have = set(backends.names())
-    provs = [p for p in provs if p[1] in have]
-    return [p for p in provs if names is None or p[0] in names]
+def _batch(shape: Shape, pool: KVPool, seed: int):
+    lens = [shape.ctx] * shape.batch
+    if shape.topk:
+        return kvpool.sparse_batch_for_pool(pool, lens, shape.topk, seed=seed, per_layer=True)
+    return kvpool.batch_for_pool(pool, lens, seed=seed)
 
 
-def run_shape(shape: Shape, providers, device: str, ceilings, seed: int = 0, progress=None) -> list[dict]:
-    pools = _pools(shape, device, seed)
-    batch = kvpool.batch_for_pool(pools["fp8"], [shape.ctx] * shape.batch, seed=seed + 1)
+def _measure(call, layers: int, device: str) -> dict:
+    """median/p20/p80 (do_bench), graph_us (CUDA graph over rotating layers) and host_us of ``call(layer)``."""
+    gpu = device == "cuda"
+    t = timing.bench(lambda: call(0), warmup_ms=25, rep_ms=100 if gpu else 20, device=device, min_reps=3)
+    g = (timing.graph_times(call, range(layers), device=device) if gpu else
+         timing.graph_times(call, range(layers), replays=2, warmup=1, device=device))
+    host = timing.host_us(call, layers=layers, calls=50 if gpu else 2, repeats=5 if gpu else 1,
+                          warmup=2 if gpu else 0, device=device)
+    return dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, timing_device=t.device,
+                graph_us=g.us, graph_method=g.method, host_us=host)
+
+
+def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progress=None, layers: int = 4) -> list[dict]:
+    """One row per provider at ``shape``: checked against the oracle, then timed (or a ``note``)."""
+    pools = _pools(shape, device, seed, layers)
+    batch = _batch(shape, pools["fp8"], seed + 1)
     qn, qp = kvpool.make_queries(shape.batch, shape.heads, device=device, seed=seed + 2)
-    ref = reference.mla_decode(qn, qp, pools["fp8"].dequant(0), batch, SM_SCALE, dtype=torch.float32)
+    b0 = batch.with_slots(batch.slots(0)) if shape.topk else batch
+    ref = reference.mla_decode(qn, qp, pools["fp8"].dequant(0), b0, SM_SCALE, dtype=torch.float32)
     rows = []
-    for label, name, which in providers:
-        if shape.name == "seed" and label not in SEED_PROVIDERS:
-            continue
-        b, pool = (backends.get(name) if isinstance(name, str) else name), pools[which]
-        if shape.heads > b.max_heads:
-            continue
-        call = lambda: b.decode(qn, qp, pool, 0, batch, SM_SCALE)  # noqa: E731
+    for label, name, which in provs:
+        pool = pools[which]
+        row = dict(shape=shape.name, label=label, backend=name, heads=shape.heads, batch=shape.batch, ctx=shape.ctx,
+                   topk=shape.topk, fp8_layout=shape.kv_layout, pool_tokens=pool.pool_tokens, page_size=shape.page_size,
+                   kv_dtype=pool.kv_dtype, kv_layout=pool.kv_layout, rel_err=float("nan"), note="")
+        if progress is not None:
+            progress.set_postfix_str(f"{shape.name} h{shape.heads} {shape.batch}x{shape.ctx} {label}")
+            progress.update()
         try:
-            err = reference.rel_err(call(), ref)
-        except Exception as e:  # noqa: BLE001 - one failing provider must not end the run
-            print(f"  {label} at {shape}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            err = float("nan")
-        row = dict(shape=shape.name, label=label, heads=shape.heads, batch=shape.batch, ctx=shape.ctx,
-                   pool_tokens=pool.pool_tokens, page_size=shape.page_size, kv_dtype=pool.kv_dtype, rel_err=err)
-        if not err <= REF_TOL:
-            print(f"  {label} at {shape}: rel_err {err:.2e} (limit {REF_TOL}): not timed", file=sys.stderr)
-            rows.append(row)
+            b = backends.get(name)
+            if shape.name == "seed" and b.path not in SEED_PATHS:
+                raise ValueError(f"the seed's {pool.pool_tokens:,}-token pool is for the cast paths and fp8_native")
+            b.check(qn, pool, batch)
+        except ValueError as e:
+            rows.append({**row, "note": str(e)[:300]})
             continue
-        t = timing.bench(call, warmup_ms=25, rep_ms=200 if device == "cuda" else 50)
-        extra = memory.extra_memory(call, device)
-        path = "bf16_pool" if which == "bf16" else b.path
-        ach = roofline.achieved(path, t.median_ms, ceilings, pool_tokens=pool.pool_tokens,
-                                tokens_read=batch.num_tokens, kv_dtype=pool.kv_dtype, heads=shape.heads,
-                                batch=shape.batch)
-        row.update(path=path, backend=b.name, impl=b.impl, median_ms=t.median_ms, p20_ms=t.p20_ms,
-                   p80_ms=t.p80_ms, timing_device=t.device, extra_bytes=extra, **ach)
+        path = "bf16_pool" if which == "bf16" else b.path  # FlashInfer on a BF16 pool: the bf16_pool path
+        row.update(path=path, impl=b.impl, precision=b.precision)
+        plan = b.plan(pool, batch, shape.heads, SM_SCALE, qn.dtype)
+        call = lambda layer: plan.run(qn, qp, layer)  # noqa: E731
+        try:
+            row["rel_err"] = reference.rel_err(call(0), ref)
+        except Exception as e:  # noqa: BLE001 - one failing provider must not end the run
+            rows.append({**row, "note": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        if not row["rel_err"] <= REF_TOL:
+            rows.append({**row, "note": f"rel_err {row['rel_err']:.2e} > {REF_TOL}: not timed"})
+            continue
+        try:
+            row.update(_measure(call, layers, device), extra_bytes=memory.extra_memory(lambda: call(0), device))
+        except Exception as e:  # noqa: BLE001
+            rows.append({**row, "note": f"timing: {type(e).__name__}: {str(e)[:300]}"})
+            continue
+        row.update(roofline.achieved(path, row["median_ms"], ceilings, pool_tokens=pool.pool_tokens,
+                                     tokens_read=batch.tokens_read, kv_dtype=pool.kv_dtype, heads=shape.heads,
+                                     batch=shape.batch, kv_layout=pool.kv_layout))
         rows.append(row)
-        if progress:
-            progress.set_postfix_str(f"{label} {t.us:.0f} us")
     return rows
 
 
@@ -130,9 +164,16 @@ RATIOS = {"bf16/fp8": "bf16_pool.triton", "seed/fp8": "full_pool_cast.seed",
 
 
 def table(df):
-    """Median us per provider per shape, and how many times slower each other path is than the
-    fastest ``fp8_native`` Triton kernel at that shape (> 1: fp8_native wins)."""
-    piv = df.pivot_table(index=["shape", "heads", "batch", "ctx"], columns="label", values="median_ms") * 1e3
+    """Microseconds per provider per shape (CUDA-graph replays where recorded, else do_bench), and how
+    many times slower each other path is than the fastest ``fp8_native`` Triton/Gluon kernel at that
+    shape (> 1: fp8_native wins)."""
+    df = df.copy()
+    us = df.median_ms * 1e3
+    if "graph_us" in df:
+        us = df.graph_us.where(df.graph_us.notna(), us)
+    df["us"] = us
+    index = [c for c in ("shape", "heads", "batch", "ctx", "topk", "fp8_layout") if c in df]
+    piv = df.pivot_table(index=index, columns="label", values="us")
     fp8 = [c for c in piv.columns if c.startswith("fp8_native.") and c.split(".")[1] != "torch"]
     if fp8:
         best = piv[fp8].min(axis=1)
@@ -142,12 +183,26 @@ def table(df):
     return piv.round(1)
 
 
+def write_select(df, run_dir, to_data: bool, arch: str, source: str) -> list:
+    """The preference table from this run's checked rows: into the run folder, and into data/select/."""
+    ok = df[df.get("graph_us").notna()] if "graph_us" in df else df.iloc[:0]
+    if ok.empty:
+        return []
+    table_ = preferences.from_records(ok, arch, source)
+    paths = [preferences.save(table_, run_dir)]
+    if to_data:
+        paths.append(preferences.save(table_))
+    return paths
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="labkit bench", description=__doc__.splitlines()[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="shape grid (default: by device)")
     ap.add_argument("--providers", nargs="*", default=None, help="provider labels to keep")
     ap.add_argument("--run-dir", default=None, help="write into this run folder (default: a new one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-select", action="store_true",
+                    help="also write the preference table into data/select/<arch>.json (GPU runs)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grid = args.grid or ("gpu" if device == "cuda" else "cpu")
@@ -164,23 +219,29 @@ def main(argv=None) -> int:
     print(f"ceilings on {ceilings.device_name}: copy {ceilings.copy_gbps:.0f} GB/s, "
           f"matmul {ceilings.matmul_tflops:.1f} TFLOP/s ({ceilings.method})")
     env = results.env_info(device)
-    provs = _providers(device, args.providers)
+    provs = providers(device, args.providers)
     rows = []
-    bar = tqdm(GRIDS[grid], desc="bench", unit="shape")
-    for shape in bar:
-        for r in run_shape(shape, provs, device, ceilings, args.seed, bar):
+    layers = 4 if device == "cuda" else 2
+    bar = tqdm(total=len(GRIDS[grid]) * len(provs), desc="bench", unit="run")
+    for shape in GRIDS[grid]:
+        for r in run_shape(shape, provs, device, ceilings, args.seed, bar, layers):
             rows.append(results.make_record(
-                r.pop("path", ""), r.pop("backend", r["label"]), r.pop("impl", ""), r.pop("median_ms", float("nan")),
+                r.pop("path", ""), r.pop("backend"), r.pop("impl", ""), r.pop("median_ms", float("nan")),
                 r.pop("p20_ms", float("nan")), r.pop("p80_ms", float("nan")), params=r, device_env=env,
                 grid=grid, copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops))
+    bar.close()
     path = results.write_records(run_dir, rows, "bench")
     df = pd.DataFrame(rows)
     pd.set_option("display.width", 250)
-    cols = ["shape", "label", "heads", "batch", "ctx", "median_ms", "gbps", "tflops", "pct_roofline", "bound",
-            "rel_err", "extra_bytes"]
+    cols = ["shape", "label", "heads", "batch", "ctx", "topk", "kv_layout", "median_ms", "graph_us", "host_us",
+            "gbps", "pct_roofline", "precision", "rel_err", "note"]
     print(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     print()
-    print(table(df).to_string())
+    if df.median_ms.notna().any():
+        print(table(df[df.median_ms.notna()]).to_string())
+    if device == "cuda":
+        for p in write_select(df, run_dir, args.write_select, preferences.arch_of(device), str(run_dir)):
+            print(f"preference table -> {p}")
     print(f"\n{len(rows)} records -> {path}")
     if args.run_dir is None:  # a folder given by --run-dir belongs to its caller (gpu_study.sh), which marks it
         what = "labkit bench " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -40,7 +40,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log into the run folde
 exits=() failed=()
 for s in $stages; do
   case $s in
-    bench) stage bench "${T_bench:-200}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" ;;
+    bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ;;
     notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
     tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \

@@ -1,50 +1,103 @@
 """The benchmark entry point on a CPU: it checks, times and records; it proves no speed here."""
+import json
+
 import pandas as pd
+import pytest
+import torch
 
-from labkit import bench, roofline
+from labkit import backends, bench, preferences, roofline
+
+CPU = not torch.cuda.is_available()
 
 
-def test_cpu_bench_records_checked_rows(tmp_path, capsys):
-    rc = bench.main(["--grid", "cpu", "--run-dir", str(tmp_path),
-                     "--providers", "full_pool_cast.torch", "fp8_native.torch"])
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    if not CPU:
+        pytest.skip("CUDA is available here")
+    out = tmp_path_factory.mktemp("bench")
+    rc = bench.main(["--grid", "cpu", "--run-dir", str(out),
+                     "--providers", "full_pool_cast.torch", "fp8_native.torch", "flashinfer_mla_fp8"])
     assert rc == 0
-    df = pd.read_parquet(tmp_path / "bench.parquet")
-    assert set(df["label"]) == {"full_pool_cast.torch", "fp8_native.torch"}
-    assert len(df) == 2 * len(bench.GRIDS["cpu"])
-    assert (df["rel_err"] < 5e-3).all() and (df["median_ms"] > 0).all()
-    assert (df["env_torch"].str.len() > 0).all() and (df["timing_device"] == "cpu").all()
-    row = df[(df.label == "fp8_native.torch") & (df["shape"] == "mem")].iloc[0]
+    return out, pd.read_parquet(out / "bench.parquet")
+
+
+def test_cpu_bench_records_checked_rows(cpu_run, capsys):
+    _, df = cpu_run
+    assert set(df["label"]) == {"full_pool_cast.torch", "fp8_native.torch", "flashinfer_mla_fp8"}
+    assert len(df) == 3 * len(bench.GRIDS["cpu"])
+    ours = df[df.label != "flashinfer_mla_fp8"]
+    assert (ours["rel_err"] < 5e-3).all() and (ours["median_ms"] > 0).all()
+    assert (ours["env_torch"].str.len() > 0).all() and (ours["timing_device"] == "cpu").all()
+    row = ours[(ours.label == "fp8_native.torch") & (ours["shape"] == "mem")].iloc[0]
     assert row["bytes"] == roofline.path_bytes("fp8_native", row.pool_tokens, 2 * 300, heads=4, batch=2)
-    out = capsys.readouterr().out
-    assert "CPU run" in out and "records ->" in out
+
+
+def test_rows_carry_precision_topk_layout_and_the_three_timings(cpu_run):
+    _, df = cpu_run
+    ours = df[df.label != "flashinfer_mla_fp8"]
+    assert (ours.precision == [backends.get(b).precision for b in ours.backend]).all()
+    dense, sparse = ours[ours["shape"] != "sparse"], ours[ours["shape"] == "sparse"]
+    assert (dense.topk == 0).all() and (sparse.topk == 64).all()
+    assert set(sparse.kv_layout) == {"fp8_per_tensor", "fp8_ds_mla"} and set(dense.kv_layout) == {"fp8_per_tensor"}
+    assert (ours.graph_us > 0).all() and (ours.host_us > 0).all() and (ours.graph_method == "perf_counter").all()
+    # a sparse row counts the bytes of the slots it reads, not of the contexts
+    s = sparse[(sparse.label == "fp8_native.torch") & (sparse.kv_layout == "fp8_per_tensor")].iloc[0]
+    assert s["bytes"] == roofline.path_bytes("fp8_native", s.pool_tokens, 2 * 64, heads=4, batch=2)
+
+
+def test_a_peer_that_is_not_here_is_a_row_saying_why(cpu_run):
+    _, df = cpu_run
+    fi = df[df.label == "flashinfer_mla_fp8"]
+    assert fi.median_ms.isna().all() and (fi.note.str.len() > 0).all()
+    assert fi.note.str.contains("flashinfer|CUDA").all()
+
+
+def test_preference_table_from_bench_records(cpu_run, tmp_path):
+    _, df = cpu_run
+    ours = df[df.graph_us.notna()]
+    paths = bench.write_select(df.assign(graph_us=df.graph_us), tmp_path, False, "sm_90", "test run")
+    table = json.loads(paths[0].read_text())
+    assert paths[0].parent == tmp_path and table["arch"] == "sm_90" and table["source"] == "test run"
+    for r in table["rows"]:
+        sel = ours[(ours.path == r["path"]) & ((ours.topk > 0) == r["sparse"])]
+        if r["precision"] == "accurate":
+            sel = sel[sel.precision == "accurate"]
+        med = sel.groupby("impl").graph_us.median().sort_values()
+        assert r["order"] == list(med.index) and r["median_us"] == pytest.approx(list(med.round(2)), abs=0.01)
+    assert preferences.order("fp8_native", "sm_90", 4, 2, False, "fast", tmp_path)[1] == "table"
 
 
 def test_gpu_grid_refused_without_cuda(capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        import pytest
-
+    if not CPU:
         pytest.skip("CUDA is available here")
     assert bench.main(["--grid", "gpu"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_shapes_fit_their_pools():
+def test_shapes_fit_their_pools_and_cover_the_targets():
     for grid in bench.GRIDS.values():
         for s in grid:
             assert s.pool() >= s.batch * -(-s.ctx // s.page_size) * s.page_size
             assert s.pool() % s.page_size == 0
+    gpu = {(s.heads, s.batch, s.ctx, s.topk, s.kv_layout) for s in bench.GRIDS["gpu"]}
+    for h, b, c in [(16, 64, 8192), (64, 64, 8192), (128, 64, 8192), (16, 32, 32768), (64, 1, 8192), (128, 1, 8192)]:
+        assert (h, b, c, 0, "fp8_per_tensor") in gpu
+    for h, b in [(16, 64), (64, 64), (128, 64), (64, 128), (128, 128)]:
+        for layout in ("fp8_per_tensor", "fp8_ds_mla"):
+            assert (h, b, 32768, 2048, layout) in gpu
+
+
+def test_providers_measure_every_implementation_and_the_peers():
+    gpu = {p[1] for p in bench.providers("cuda")}
+    assert {n for n in backends.names() if backends.get(n).impl not in ("torch", "flashinfer")} <= gpu
+    assert {"flashinfer_mla", "flashinfer_mla_fp8"} <= gpu and not any(n.endswith(".torch") for n in gpu)
+    assert {p[1] for p in bench.providers("cpu")} >= {"fp8_native.torch", "fp8_native.triton"}
 
 
 def test_labkit_bench_is_the_same_entry_point(capsys):
-    import torch
-
     from labkit import cli
 
-    if torch.cuda.is_available():
-        import pytest
-
+    if not CPU:
         pytest.skip("CUDA is available here")
     assert cli.main(["bench", "--grid", "gpu"]) == 2
     assert "--grid gpu needs a CUDA device" in capsys.readouterr().err
