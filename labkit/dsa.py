@@ -37,12 +37,15 @@ class DsaLab:
 
     sparse: the batch with the indexer's slots of every measured layer, int32 [layers, B, topk]
     index_impl: the indexer's logits implementation ("torch", "triton", "reference")
+    impl, precision: how each path's backend is picked (``pick``)
     """
 
     lab: study.Lab
     indexer: Indexer
     sparse: DecodeBatch
     index_impl: str
+    impl: str = "auto"
+    precision: str = "fast"
 
     @property
     def p(self) -> config.LabParams:
@@ -61,9 +64,9 @@ class DsaLab:
 
 
 def index_impl(impl: str, device: str) -> str:
-    """The indexer's logits for a path ``impl``: Triton on a GPU (or when asked), torch on a CPU."""
+    """The indexer's logits for a path ``impl``: torch where asked and on a CPU (auto), else Triton."""
     cuda = str(device).startswith("cuda")
-    return "triton" if impl in ("triton", "seed") or (impl == "auto" and cuda) else "torch"
+    return "torch" if impl == "torch" or (impl == "auto" and not cuda) else "triton"
 
 
 def model_cfg(model: str, index_topk: int | None = None, index_n_heads: int | None = None) -> config.ModelConfig:
@@ -91,17 +94,19 @@ def fit_layers(layers: int, pool_tokens: int, kv_layout: str, index_head_dim: in
 
 
 def build(p: config.LabParams, index_topk: int | None = None, index_n_heads: int | None = None,
-          impl: str = "auto", run_dir=None, warmup_ms: float = 25, rep_ms: float = 100) -> DsaLab:
+          impl: str = "auto", precision: str = "fast", run_dir=None, warmup_ms: float = 25,
+          rep_ms: float = 100) -> DsaLab:
     """Pool of ``p.kv_layout`` (``p.layers`` layers, fewer when they do not fit the device), dense
     batch, MLA queries, an indexer over every pool token, and the sparse batch of its top-k slots
-    per layer."""
+    per layer. ``impl`` and ``precision`` pick each path's backend (``pick``) and the indexer's."""
     kv_layout = p.kv_layout
     cfg = model_cfg(p.model, index_topk, index_n_heads)
     if p.device == "cpu":
         torch.set_num_threads(1)  # as study.Lab: another process on a core stalls multi-threaded ops
     layers = fit_layers(p.layers, p.pool_tokens, kv_layout, cfg.index_head_dim, p.device)
     lab = study.Lab(p, None, None, None, None, study.run_folder(run_dir), warmup_ms, rep_ms)
-    return _assemble(lab, cfg, index_impl(impl, p.device), layers, p.pool_tokens, p.lens, kv_layout)
+    dl = _assemble(lab, cfg, index_impl(impl, p.device), layers, p.pool_tokens, p.lens, kv_layout)
+    return replace(dl, impl=impl, precision=precision)
 
 
 def _assemble(lab: study.Lab, cfg: config.ModelConfig, impl: str, layers: int, pool_tokens: int, lens,
@@ -120,8 +125,9 @@ def _assemble(lab: study.Lab, cfg: config.ModelConfig, impl: str, layers: int, p
 def case(dl: DsaLab, batch_size: int, context: int) -> DsaLab:
     """One layer, ``batch_size`` requests of ``context`` tokens, on a pool (same layout) that just fits them."""
     ps = dl.p.page_size
-    return _assemble(dl.lab, dl.indexer.cfg, dl.index_impl, 1, batch_size * -(-context // ps) * ps,
-                     [context] * batch_size, dl.lab.pool.kv_layout)
+    c = _assemble(dl.lab, dl.indexer.cfg, dl.index_impl, 1, batch_size * -(-context // ps) * ps,
+                  [context] * batch_size, dl.lab.pool.kv_layout)
+    return replace(c, impl=dl.impl, precision=dl.precision)
 
 
 # -- the step -----------------------------------------------------------------------------------------
@@ -130,12 +136,13 @@ def on_pool(dl: DsaLab, path: str) -> study.Lab:
     return dl.lab.bf16() if path == "bf16_pool" and dl.lab.pool.kv_layout != "bf16" else dl.lab
 
 
-def pick(dl: DsaLab, path: str, impl: str = "auto") -> backends.Backend:
-    """The backend of ``path`` (``study.pick``) or, when that one refuses this sparse batch or layout,
-    the first of its family that takes them, accurate ones first: e.g. ``fp8_native.triton`` is dense
-    only, ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
+def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
+    """The backend of ``path`` for the sparse batch: ``study.pick`` (``auto``: ``backends.select`` at
+    ``dl.precision``) or, when a named one refuses this sparse batch or layout, the first of its family
+    that takes them, accurate ones first: e.g. ``fp8_native.triton`` is dense only,
+    ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
     lab = on_pool(dl, path)
-    first = study.pick(path, impl, dl.p.device)
+    first = study.pick(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(dl.lab, batch=dl.sparse))
     family = [backends.get(n) for n in backends.names(path) if n.split(".", 1)[1].startswith(first.impl)]
     family.sort(key=lambda b: b.precision != "accurate")
     refusal = None
@@ -227,12 +234,12 @@ def oracle(lab: study.Lab, batch: DecodeBatch, layer: int = 0) -> torch.Tensor:
     return reference.mla_decode(lab.q_nope, lab.q_pe, kv, compact, lab.sm_scale)
 
 
-def dense_and_sparse(dl: DsaLab, paths=SPARSE_PATHS, impl: str = "auto") -> pd.DataFrame:
+def dense_and_sparse(dl: DsaLab, paths=SPARSE_PATHS) -> pd.DataFrame:
     """Each path on the dense batch and on its sparse (top-k) version, layer 0: the time of a call
     (median_ms), the profiled kernels (device_ms, by category) and rel_err against the float64 oracle."""
     rows = []
     for path in paths:
-        b = pick(dl, path, impl)
+        b = pick(dl, path)
         for mode, batch in (("dense", dl.sparse.with_slots(None)), ("sparse", dl.sparse)):
             lab = replace(on_pool(dl, path), batch=batch)
             err = reference.rel_err(lab.decode(b), oracle(lab, batch))
@@ -264,14 +271,14 @@ def cast_under_dsa(profile: pd.DataFrame) -> dict:
                 layer_ms=t["total"], cast_share=t["cast"] / t["total"], time_ratio=t["cast"] / t["attention"])
 
 
-def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS, impl: str = "auto") -> pd.DataFrame:
+def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS) -> pd.DataFrame:
     """The DSA layer by category per path at each context length (``batch_size`` requests, a one-layer
     pool that just fits them): attention reads top-k tokens per request, the pool grows with the context."""
     rows = []
     for n in tqdm(list(contexts), desc="contexts", unit="point"):
         c = case(dl, batch_size, n)
         for path in paths:
-            b = pick(c, path, impl)
+            b = pick(c, path)
             prof = profile_step(c, b).set_index("category")
             rows.append(dict(**_labels(c, b), **{f"{k}_ms": prof.ms_per_layer[k] for k in (*DSA_CATEGORIES, "total")},
                              cast_bytes=cast_bytes(c.lab.pool.pool_tokens, c.lab.pool.kv_layout),
