@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import backends, kvpool
+from labkit import backends, kvpool, timing
 from labkit.kernels.mla_decode_fp8_rows import mla_decode_fp8_rows
 
 SM = 1 / 16
@@ -119,6 +119,26 @@ def test_rows_kernel_cpu_accurate_f16_pv(layout):
     assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL["accurate"]
 
 
+@pytest.mark.parametrize("precision", ["fast", "accurate"])
+def test_rows_kernel_cpu_query_quantized_in_kernel(precision):
+    """q_pre=False: each program quantizes its query tile itself (no separate launch)."""
+    pool, batch, qn, qp, reads, real = make_case("fp8_ds_mla", 16, [70], 20, seed=7)
+    out = run(pool, batch, qn, qp, precision, q_pre=False, num_splits=2)
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
+
+
+def test_graph_times_rotates_layers_cpu(monkeypatch):
+    """On the CPU graph_times times the rotation with the clock: per call = per rotation / layers."""
+    ticks = iter(range(0, 10_000, 3))  # every clock read advances 3 s
+    monkeypatch.setattr(timing, "_clock", lambda: next(ticks))
+    seen = []
+    t = timing.graph_times(seen.append, range(4), replays=5, warmup=1)
+    assert seen == [0, 1, 2, 3] * 6 and t.n == 5 and t.method == "perf_counter"
+    assert t.median_ms == pytest.approx(3e3 / 4)
+    with pytest.raises(ValueError, match="layers"):
+        timing.graph_times(seen.append, [])
+
+
 def test_rows_kernel_rejects_bad_arguments():
     pool, batch, qn, qp, _, _ = make_case("fp8_per_tensor", 16, [20], 16)
     with pytest.raises(ValueError, match="kv_layout"):
@@ -147,14 +167,14 @@ def test_rows_backends(name, precision):
     assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
 
 
-GPU_CASES = [  # small, then batched shapes
+GPU_CASES = [  # small, then batched shapes; dense pages of 64 and sparse rows (page 1), as scripts/gpu_rows.py
     ("fp8_per_tensor", 64, [1, 63, 64, 65, 1000], 16, 0),
     ("fp8_ds_mla", 64, [1, 63, 64, 65, 1000], 64, 0),
     ("fp8_per_tensor", 1, [300, 5000], 128, 2048),
     ("fp8_ds_mla", 1, [300, 5000], 16, 2048),
-    ("fp8_per_tensor", 32, [4096] * 16, 128, 0),
+    ("fp8_per_tensor", 64, [4096] * 16, 128, 0),
     ("fp8_ds_mla", 1, [8192] * 16, 64, 2048),
-    ("fp8_per_tensor", 128, [2000] * 8, 100, 512),
+    ("fp8_per_tensor", 1, [2000] * 8, 100, 512),
 ]
 
 
@@ -170,11 +190,13 @@ def test_rows_kernel_gpu(layout, page_size, lens, heads, topk, precision):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("topk", [0, 1024])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_rows_kernel_gpu_variants(layout):
-    """Accurate with V widened to fp16, and the tile/split knobs the benchmark sweeps."""
-    pool, batch, qn, qp, reads, real = make_case(layout, 16, [3000, 17], 64, topk=1024, device="cuda")
+def test_rows_kernel_gpu_variants(layout, topk):
+    """P.V with V widened to fp16 (both precisions) and 32-token tiles, with forced splits."""
+    pool, batch, qn, qp, reads, real = make_case(layout, 1 if topk else 64, [3000, 17], 64, topk=topk,
+                                                 device="cuda")
     ref = reference(qn, qp, real, reads, SM)
-    assert rel_err(run(pool, batch, qn, qp, "accurate", pv="f16"), ref) < TOL["accurate"]
-    for kw in (dict(block_n=32, num_splits=7), dict(block_h=32, block_n=128, num_stages=3), dict(pv="f16")):
-        assert rel_err(run(pool, batch, qn, qp, "fast", **kw), ref) < TOL["fast"]
+    for precision in ("fast", "accurate"):
+        for kw in (dict(pv="f16"), dict(block_n=32, num_splits=7)):
+            assert rel_err(run(pool, batch, qn, qp, precision, **kw), ref) < TOL[precision], (precision, kw)
