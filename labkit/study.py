@@ -25,7 +25,7 @@ from .memory import extra_memory, predicted_extra_bytes
 from .profiling import CATEGORIES, profile_decode_step
 from .roofline import achieved
 from .stepmodel import predict, rest_from_seed
-from .timing import bench
+from .timing import bench, graph_times, host_us
 
 INTERACTIVE_RUN = DATA_DIR / "runs" / "interactive"  # where notebooks run by hand record
 MAIN_PATHS = ("full_pool_cast", "gather_cast", "fp8_native")
@@ -155,7 +155,8 @@ def _on(lab: Lab, backend) -> Lab:
 
 def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     """One row for one layer of ``backend`` on the lab's batch: ``median_ms``/``p20_ms``/``p80_ms`` a
-    call (labkit.timing, host included), ``device_ms`` of its kernels and ``<category>_ms`` split
+    call (labkit.timing, host included), ``graph_us`` and ``host_us`` on a GPU (``_graph_and_host``),
+    ``device_ms`` of its kernels and ``<category>_ms`` split
     (labkit.profiling, median of 3), the shape and ``extra``; with ``ceilings`` also bytes, GB/s,
     TFLOP/s and % of roofline of the device time (labkit.roofline.achieved)."""
     lab = _on(lab, backend)
@@ -163,13 +164,26 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
     prof = profile_step(lab, backend, layers=[0], repeats=3).set_index("category").device_ms
     s = lab.shape()
     row = dict(path=backend.path, backend=backend.name, impl=backend.impl, median_ms=t.median_ms,
-               p20_ms=t.p20_ms, p80_ms=t.p80_ms, device_ms=prof["total"],
+               p20_ms=t.p20_ms, p80_ms=t.p80_ms, device_ms=prof["total"], **_graph_and_host(lab, backend),
                **{f"{c}_ms": prof[c] for c in CATEGORIES}, cast_share=prof["cast"] / prof["total"], **s, **extra)
     if ceilings is not None:
         row.update(achieved(backend.path, row["device_ms"], ceilings, pool_tokens=s["pool_tokens"],
                             tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"], heads=s["heads"],
                             batch=s["batch_size"]), copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops)
     return row
+
+
+def _graph_and_host(lab: Lab, backend) -> dict:
+    """On a GPU, for a capturable backend (not the torch references): ``graph_us`` (CUDA-graph
+    replays of the planned call over up to 4 rotating layers) and ``host_us`` (eager wall time per
+    call); NaN elsewhere."""
+    if not str(lab.device).startswith("cuda") or backend.impl == "torch":
+        return dict(graph_us=float("nan"), host_us=float("nan"))
+    plan = backend.plan(lab.pool, lab.batch, lab.q_nope.shape[1], lab.sm_scale, lab.q_nope.dtype)
+    call = lambda layer: plan.run(lab.q_nope, lab.q_pe, layer)  # noqa: E731
+    layers = range(min(4, lab.pool.num_layers))
+    return dict(graph_us=graph_times(call, layers, device=lab.device).us,
+                host_us=host_us(call, layers=len(layers), device=lab.device))
 
 
 # (backend, on the BF16 copy of the pool): our FP8 kernels (the Gluon one where the device, page size and
