@@ -2,6 +2,7 @@
 
     step_ms = layers x (attention path per layer) + rest_ms
 
+``predict_selected`` measures, per path, the implementation ``backends.select`` picks for the call.
 ``rest_ms`` is everything else in the step (MoE, projections, sampling, the attention kernel
 itself when the path time counts only the cast). The seed's figures fix it: a single stream at
 10.5 tok/s is a 95.2 ms step, of which the whole-pool cast took 64.6 ms, leaving 30.6 ms.
@@ -106,3 +107,35 @@ def predict(path_ms_per_layer: dict, layers: int, rest_ms: float, batch: int = 1
         s = step_ms(ms, layers, rest_ms)
         rows.append(dict(path=path, step_ms=s, tok_s=tokens_per_s(s, batch)))
     return pd.DataFrame(rows, columns=["path", "step_ms", "tok_s"])
+
+
+def selected_layer_ms(q_nope, q_pe, pool, batch, sm_scale: float, paths=("full_pool_cast", "gather_cast", "fp8_native"),
+                      precision: str = "fast", layers: int = 4) -> dict:
+    """Per path, the implementation ``backends.select`` picks for this call and one layer's ms:
+    {path: (backend name, ms)}. On a GPU the CUDA-graph median over ``layers`` rotating layers (a
+    server replays decode as a graph); on a CPU the eager time of layer 0.
+
+    q_nope [B, H, 512], q_pe [B, H, 64] bf16; pool: a KVPool the paths read; batch: its DecodeBatch."""
+    from . import backends, timing
+
+    out = {}
+    n = range(min(layers, pool.num_layers))
+    for path in paths:
+        b = backends.select(path, q_nope, pool, batch, precision)
+        plan = b.plan(pool, batch, q_nope.shape[1], sm_scale, q_nope.dtype)
+        call = lambda layer: plan.run(q_nope, q_pe, layer)  # noqa: E731
+        if pool.device.type == "cuda" and b.impl != "torch":
+            ms = timing.graph_times(call, n, device=pool.device).median_ms
+        else:
+            ms = timing.bench(lambda: call(0), warmup_ms=5, rep_ms=20, device=pool.device).median_ms
+        out[path] = (b.name, ms)
+    return out
+
+
+def predict_selected(q_nope, q_pe, pool, batch, sm_scale: float, model_layers: int, rest_ms: float,
+                     paths=("full_pool_cast", "gather_cast", "fp8_native"), precision: str = "fast") -> pd.DataFrame:
+    """``predict`` from what ``select`` picks and measures here: DataFrame(path, backend, ms_per_layer,
+    step_ms, tok_s), one token per request per step."""
+    picked = selected_layer_ms(q_nope, q_pe, pool, batch, sm_scale, paths, precision)
+    df = predict({p: ms for p, (_, ms) in picked.items()}, model_layers, rest_ms, batch.batch_size)
+    return df.assign(backend=[picked[p][0] for p in df.path], ms_per_layer=[picked[p][1] for p in df.path])

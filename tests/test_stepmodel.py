@@ -52,3 +52,17 @@ def test_predict():
     assert list(df.columns) == ["path", "step_ms", "tok_s"]
     assert df.step_ms.tolist() == pytest.approx([78 * 0.83 + 30, 78 * 0.02 + 30])
     assert df.tok_s.tolist() == pytest.approx([1000 / (78 * 0.83 + 30), 1000 / (78 * 0.02 + 30)])
+
+
+def test_step_from_the_selected_implementations():
+    from labkit import backends, kvpool
+
+    pool = kvpool.random_pool(2, 512, 16, seed=1)
+    batch = kvpool.batch_for_pool(pool, [100, 37], seed=2)
+    qn, qp = kvpool.make_queries(2, 4, seed=3)
+    df = sm.predict_selected(qn, qp, pool, batch, 1 / 16, model_layers=78, rest_ms=30.0, precision="accurate")
+    assert list(df.path) == ["full_pool_cast", "gather_cast", "fp8_native"]
+    for r in df.itertuples():
+        assert r.backend == backends.select(r.path, qn, pool, batch, "accurate").name  # torch on a CPU
+        assert r.ms_per_layer > 0 and r.step_ms == pytest.approx(78 * r.ms_per_layer + 30.0)
+        assert r.tok_s == pytest.approx(2 * 1e3 / r.step_ms)
