@@ -13,7 +13,7 @@ the step is modelled to the model's layers plus the rest of the model (labkit.st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -46,6 +46,7 @@ class DsaLab:
     index_impl: str
     impl: str = "auto"
     precision: str = "fast"
+    bf16_lab: study.Lab | None = field(default=None, repr=False)  # layer 0 in BF16, made once (on_pool)
 
     @property
     def p(self) -> config.LabParams:
@@ -132,8 +133,12 @@ def case(dl: DsaLab, batch_size: int, context: int) -> DsaLab:
 
 # -- the step -----------------------------------------------------------------------------------------
 def on_pool(dl: DsaLab, path: str) -> study.Lab:
-    """The lab a path reads: ``bf16_pool`` gets layer 0 of the pool in BF16 (one layer)."""
-    return dl.lab.bf16() if path == "bf16_pool" and dl.lab.pool.kv_layout != "bf16" else dl.lab
+    """The lab a path reads: ``bf16_pool`` gets layer 0 of the pool in BF16 (one layer, made once)."""
+    if path != "bf16_pool" or dl.lab.pool.kv_layout == "bf16":
+        return dl.lab
+    if dl.bf16_lab is None:
+        dl.bf16_lab = dl.lab.bf16()
+    return dl.bf16_lab
 
 
 def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
@@ -142,7 +147,7 @@ def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
     that takes them, accurate ones first: e.g. ``fp8_native.triton`` is dense only,
     ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
     lab = on_pool(dl, path)
-    first = study.pick(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(dl.lab, batch=dl.sparse))
+    first = study.pick(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(lab, batch=dl.sparse))
     family = [backends.get(n) for n in backends.names(path) if n.split(".", 1)[1].startswith(first.impl)]
     family.sort(key=lambda b: b.precision != "accurate")
     refusal = None
@@ -283,6 +288,7 @@ def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS) -> 
             rows.append(dict(**_labels(c, b), **{f"{k}_ms": prof.ms_per_layer[k] for k in (*DSA_CATEGORIES, "total")},
                              cast_bytes=cast_bytes(c.lab.pool.pool_tokens, c.lab.pool.kv_layout),
                              experiment="dsa_context_sweep", median_ms=prof.ms_per_layer["total"]))
+        del c  # free this pool (on a GPU up to 8.4M tokens) before the next is drawn
     return pd.DataFrame(rows)
 
 
@@ -328,7 +334,7 @@ def peers(dl: DsaLab) -> pd.DataFrame:
     rows = []
     for name, on_bf16 in FLASHINFER:
         label = name + (" [BF16 pool]" if on_bf16 else " [FP8 pool]")
-        lab = replace(dl.lab.bf16() if on_bf16 else dl.lab, batch=dl.sparse)
+        lab = replace(on_pool(dl, "bf16_pool") if on_bf16 else dl.lab, batch=dl.sparse)
         try:
             b = backends.get(name)
             b.check(lab.q_nope, lab.pool, dl.sparse)
