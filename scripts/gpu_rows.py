@@ -188,6 +188,19 @@ def _warm(specs) -> int:
     return done
 
 
+def _warm_flashinfer() -> str:
+    """FlashInfer compiles its fa3 MLA modules (BF16, FP8) at first use: do it beside the Triton work."""
+    try:
+        for kind in ("dense", "sparse"):
+            case = Case(kind, 16, 1, 256)
+            for layout in ("bf16", "fp8_per_tensor"):
+                case.flashinfer(layout)(0)
+        torch.cuda.synchronize()
+        return "flashinfer ready"
+    except Exception as e:  # noqa: BLE001
+        return f"flashinfer warm-up failed: {type(e).__name__}: {str(e)[:200]}"
+
+
 def warm(workers: int) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -195,8 +208,10 @@ def warm(workers: int) -> None:
     specs = warm_specs()
     t0 = time.time()
     chunks = [specs[i::workers] for i in range(workers)]
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+    with cf.ProcessPoolExecutor(workers + 1, mp_context=mp.get_context("spawn")) as ex:
+        fi = ex.submit(_warm_flashinfer)
         done = sum(ex.map(_warm, chunks))
+        gk.log(fi.result())
     gk.log(f"warm: {done}/{len(specs)} specializations compiled in {time.time() - t0:.0f} s by {workers} processes")
 
 
