@@ -71,6 +71,7 @@ def fp8_call(*args, **kw):
     return mla_decode_fp8(*args, **kw)
 
 DEV = "cuda"
+CEIL = None  # labkit.roofline.Ceilings measured by ceilings(): the one roofline computation
 PAGE = 64
 SM_SCALE = 1 / 16  # GLM-5: 1/sqrt(192 + 64)
 
@@ -187,6 +188,8 @@ def ceilings(res):
     """The two ceilings as labkit.roofline measures them (one roofline computation for the lab)."""
     c = roofline.measure_ceilings(DEV, copy_bytes=None if DEV == "cuda" else 1 << 20,
                                   matmul_n=None if DEV == "cuda" else 256)
+    global CEIL
+    CEIL = c
     res["copy_bw_TBps"], res["bf16_matmul_TFLOPs"] = c.copy_gbps / 1e3, c.matmul_tflops
     empty_cache()
     log(f"ceilings: copy {res['copy_bw_TBps']:.2f} TB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
@@ -357,8 +360,6 @@ def timings(results, shapes, only, ceil):
         batch = kvpool.make_batch(pool8.num_pages, PAGE, [L] * B, seed=H + B, device=DEV)
         qn, qp = kvpool.make_queries(B, H, device=DEV, seed=B)
         tokens = B * L
-        flops = 2 * H * tokens * (576 + 512)
-        mem_bound = H <= 32
         args = (batch.kv_indptr, batch.kv_indices, batch.kv_lens)
 
         def record(group, name, fn, kv_bytes, extra=None):
@@ -367,9 +368,11 @@ def timings(results, shapes, only, ceil):
             row = dict(group=group, variant=name, shape=shape, H=H, B=B, L=L)
             try:
                 us = bench_us(fn)
-                row.update(us=us, kv_TBps=kv_bytes / us / 1e6, TFLOPs=flops / us / 1e6)
-                row["pct_ceiling"] = 100 * (row["kv_TBps"] / ceil["copy_bw_TBps"] if mem_bound
-                                            else row["TFLOPs"] / ceil["bf16_matmul_TFLOPs"])
+                path = "fp8_native" if group in ("fp8_native", "splits") else ("bf16_pool" if kv_bytes == tokens * 1152
+                                                                                else name.split(".")[0])
+                ach = roofline.achieved(path, us / 1e3, CEIL, pool_tokens=pool8.pool_tokens, tokens_read=tokens,
+                                        kv_dtype="bf16" if path == "bf16_pool" else "fp8_e4m3", heads=H, batch=B)
+                row.update(us=us, kv_TBps=kv_bytes / us / 1e6, TFLOPs=ach["tflops"], pct_ceiling=ach["pct_roofline"])
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             row.update(extra or {})
