@@ -5,8 +5,7 @@ lengths: no device read), the stage-1 partials and the merge (``labkit.kernels.l
 each layer's view and ``k_scale`` (host floats), the compact page table of ``gather_cast``. Each
 layer's ``run`` then allocates its output and launches the same kernels with the same arguments
 as the checked launchers (``mla_decode``, ``mla_decode_fp8``): equal outputs, less host time,
-nothing a CUDA graph cannot capture. The Gluon kernel keeps its own launcher, given the split
-count's inputs. A planner returns None (the backend's ``fn`` runs) for what it does not plan:
+nothing a CUDA graph cannot capture. A planner returns None (the backend's ``fn`` runs) for what it does not plan:
 sparse batches and the ``fp8_ds_mla`` layout.
 """
 from __future__ import annotations
@@ -20,7 +19,7 @@ from labkit.kernels.launch import SplitKV
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, resolve_splits
 from labkit.kernels.mla_decode_fp8 import (CVT_MODES, P_SCALE, _mla_decode_fp8_kernel, default_config,
                                            quantize_q_fp8)
-from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon
+from labkit.kernels import mla_decode_fp8_gluon as G
 
 from .kvpool import DecodeBatch, KVPool
 
@@ -152,10 +151,30 @@ def fp8_native(q_fp8: bool):
 
 
 def gluon(pool, batch, num_heads, sm_scale, q_dtype):
-    """The Gluon launcher with each layer's view and scale read once and the longest context given."""
+    """``mla_decode_fp8_gluon`` planned: its rules checked once, then the same kernel launched with
+    the launcher's arguments and defaults (``GPU_CONFIG``), partials and merge from ``SplitKV``."""
     if not _plannable(pool, batch):
         return None
+    G.check_gluon_args(num_heads, pool.page_size, pool.device)
     views, scales = _layers(pool)
-    args, max_len = (batch.kv_indptr, batch.kv_indices, batch.kv_lens), batch.max_len
-    return lambda q_nope, q_pe, layer, _b: mla_decode_fp8_gluon(q_nope, q_pe, views[layer], *args, sm_scale,
-                                                                k_scale=scales[layer], max_len=max_len)
+    cfg = dict(G.GPU_CONFIG)
+    s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, 1, batch.kv_lens, batch.max_len, G.BLOCK_N,
+                       pool.device, cfg["ctas_per_sm"])
+    split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
+    block_h = 16 if num_heads <= 16 else 32
+    num_rows = pool.num_pages * pool.page_size
+    b = batch
+
+    def run(q_nope, q_pe, layer, _b):
+        kv, k_scale = views[layer], scales[layer]
+
+        def stage1(o_buf, lse_buf, direct):
+            triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
+            G._mla_decode_fp8_gluon_kernel[(b.batch_size, 1, s)](
+                q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
+                q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
+                PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], num_warps=4)
+
+        return split.run(stage1, k_scale)
+    return run

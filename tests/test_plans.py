@@ -83,3 +83,23 @@ def test_unplanned_cases_fall_back_to_the_function():
     ds = kvpool.random_pool(1, 256, 16, kv_layout="fp8_ds_mla")
     assert triton_plans.gluon(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype) is None
     assert callable(fp8_native_gluon)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_planned_runs_equal_the_checked_launchers(heads):
+    """On the GPU (split counts > 1, FP8 queries quantized in the kernel, the Gluon kernel on Hopper)."""
+    cases = CASES + [(fp8_native_gluon, triton_plans.gluon, "fp8_e4m3")]
+    for fn, planner, kv_dtype in cases:
+        pool = kvpool.random_pool(2, 64 * 400, 64, kv_dtype=kv_dtype, device="cuda", seed=3)
+        batch = kvpool.batch_for_pool(pool, [1, 4097, 8192], seed=4)
+        qn, qp = kvpool.make_queries(3, heads, device="cuda", seed=5)
+        name = next(n for n in backends.names() if backends.get(n).fn is fn)
+        try:
+            backends.get(name).check(qn, pool, batch)
+        except ValueError:
+            continue  # e.g. the Gluon kernel off Hopper or past 32 heads
+        run = planner(pool, batch, heads, SM_SCALE, qn.dtype)
+        for layer in (1, 0):
+            assert torch.equal(run(qn, qp, layer, batch), fn(qn, qp, pool, layer, batch, SM_SCALE)), (name, layer)
