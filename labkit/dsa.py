@@ -278,17 +278,20 @@ def cast_under_dsa(profile: pd.DataFrame) -> dict:
 
 def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS) -> pd.DataFrame:
     """The DSA layer by category per path at each context length (``batch_size`` requests, a one-layer
-    pool that just fits them): attention reads top-k tokens per request, the pool grows with the context."""
+    pool that just fits them): attention reads top-k tokens per request, the pool grows with the context.
+    With each path's dense layer there too, the modelled step (``step_model``) per path and context."""
     rows = []
     for n in tqdm(list(contexts), desc="contexts", unit="point"):
         c = case(dl, batch_size, n)
-        for path in paths:
-            b = pick(c, path)
-            prof = profile_step(c, b).set_index("category")
-            rows.append(dict(**_labels(c, b), **{f"{k}_ms": prof.ms_per_layer[k] for k in (*DSA_CATEGORIES, "total")},
+        runs = [(b, profile_step(c, b), dense_layer(c, b)) for b in (pick(c, path) for path in paths)]
+        steps = step_model(pd.concat([r[1] for r in runs]), pd.concat([r[2] for r in runs]), c.indexer.cfg)
+        for (b, prof, _), step in zip(runs, steps.itertuples()):
+            t = prof.set_index("category").ms_per_layer
+            rows.append(dict(**_labels(c, b), **{f"{k}_ms": t[k] for k in (*DSA_CATEGORIES, "total")},
                              cast_bytes=cast_bytes(c.lab.pool.pool_tokens, c.lab.pool.kv_layout),
-                             experiment="dsa_context_sweep", median_ms=prof.ms_per_layer["total"]))
-        del c  # free this pool (on a GPU up to 8.4M tokens) before the next is drawn
+                             dense_ms=step.dense_ms, step_ms=step.step_ms, tok_s=step.tok_s,
+                             step_cast_share=step.cast_share, experiment="dsa_context_sweep", median_ms=t["total"]))
+        del c, runs  # free this pool (on a GPU up to 8.4M tokens) before the next is drawn
     return pd.DataFrame(rows)
 
 
@@ -405,4 +408,15 @@ def plot_tok_s(steps: pd.DataFrame, ax=None):
     r = steps.iloc[0]
     ax.set(ylabel="tokens/s", ylim=(0, steps.tok_s.max() * 1.3),
            title=f"DSA decode step: {r.layers} layers ({r.dense_layers} dense), batch {r.batch_size}")
+    return ax
+
+
+def plot_tok_s_vs_context(sw: pd.DataFrame, ax=None):
+    """Modelled tok/s of the DSA step per path against context length (the sweep's batch)."""
+    ax = study._axes(ax)
+    for path, g in sw.sort_values("context_len").groupby("path", sort=False):
+        ax.plot(g.context_len, g.tok_s, "o-", ms=3, label=path)
+    ax.set(xscale="log", yscale="log", xlabel="tokens per request", ylabel="tokens/s (modelled step)",
+           title=f"DSA step, {sw.batch_size.iloc[0]} requests, top-{sw.topk.iloc[0]}")
+    ax.legend(fontsize=7)
     return ax

@@ -130,3 +130,4 @@ def test_05_sparse_step_profiled_checked_and_modelled(run):
     assert (steps.layers == 4).all() and (steps.dense_layers == 1).all() and steps.tok_s.gt(0).all()
     assert steps.cast_share.full_pool_cast > 0 and steps.cast_share.fp8_native == 0
     assert "Step 4: GLM-5" in (run[0] / "04_report.html").read_text()
+    assert sweep.tok_s.gt(0).all() and (sweep.step_ms > sweep.total_ms * 3).all()  # 3 sparse layers of tiny's 4
