@@ -54,7 +54,7 @@ PROFILES = {
         impl="triton", num_layers=1, pool_tokens=4096, batch_size=2, context_lens=256, warmup_ms=1, rep_ms=1,
         pool_sweep=[1024, 4096, 16384], batch_sweep=[1, 4, 8, 16], heads_sweep=[8, 16, 64],
         context_sweep=[64, 256], sweep_batch=2, sweep_context=256,
-        sparse_contexts=[128, 512], sparse_batch=2,
+        sparse_contexts=[384], sparse_batch=1,  # the interpreter: one small point
     ),
     "gpu-quick": dict(
         model="glm5", num_layers=4, tp_size=4, pool_tokens=131072, batch_size=1, context_lens=8192,
