@@ -49,7 +49,7 @@ def _ds_mla_to_bf16_kernel(
     tl.store(dst + 512 + d[None, :], pe, mask=wmask)
 
 
-def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None, *, rows: int = 32,
+def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None, *, rows: int = 16,
                    num_warps: int = 4) -> torch.Tensor:
     """Dequantize ``fp8_ds_mla`` rows to BF16: all of them, or the pages ``kv_indices`` names.
 
@@ -61,7 +61,8 @@ def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None,
     kv_indices : torch.Tensor, optional
         [nnz] ``torch.int32`` page ids into ``packed``'s first dim, -1 = none (a zero page, nothing
         read); ids are not checked on the device.
-    rows, num_warps : tuning (output rows per program, a power of two; warps per program).
+    rows, num_warps : tuning (output rows per program, a power of two; warps per program); not yet
+        measured on a GPU: 16 rows x 4 warps keeps 64 NoPE values and their scales per thread.
 
     Returns
     -------
