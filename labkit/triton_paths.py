@@ -127,17 +127,20 @@ def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch,
 
 register(Backend("full_pool_cast.triton", "full_pool_cast", "triton", full_pool_cast_triton,
                  planner=triton_plans.full_pool_cast(triton_plans.widen_triton),
-                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True,
+                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton fp8_to_bf16 or ds_mla_to_bf16 (whole layer) + Triton mla_decode",
                  note="casts the whole layer each call: P*(1+2) B before attention (ds_mla: P*(656+1152) B)"))
 register(Backend("full_pool_cast.seed", "full_pool_cast", "seed", full_pool_cast_seed,
                  planner=triton_plans.full_pool_cast(triton_plans.widen_torch),
-                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True,
+                 min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="torch .to() (whole layer) + Triton mla_decode",
                  note="exactly the seed's server: get_key_buffer(layer).to(q.dtype)"))
 register(Backend("gather_cast.triton", "gather_cast", "triton", gather_cast_triton,
                  planner=triton_plans.gather_cast_plan,
-                 kv_layouts=ALL_LAYOUTS, sparse=True, min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
+                 kv_layouts=ALL_LAYOUTS, sparse=True,
+                 min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                  kernel="Triton gather_cast or ds_mla_to_bf16 (batch pages, or slot rows) + Triton mla_decode "
                         "on the compact table"))
 register(Backend("fp8_native.triton", "fp8_native", "triton", fp8_native_triton,
