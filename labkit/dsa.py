@@ -193,11 +193,13 @@ def _median(profs: list[pd.DataFrame]) -> pd.DataFrame:
     return df
 
 
-def profile_step(dl: DsaLab, backend: backends.Backend, repeats: int = 3) -> pd.DataFrame:
+def profile_step(dl: DsaLab, backend: backends.Backend, repeats: int | None = None) -> pd.DataFrame:
     """The DSA step over the measured layers by category (``DSA_CATEGORIES`` and total): device_ms of
-    the step (median of ``repeats`` profiles), ms_per_layer, share; with the path and the shape."""
+    the step (median of ``repeats`` profiles; None: 3, or 1 when 8 or more layers make the step),
+    ms_per_layer, share; with the path and the shape."""
     lab = on_pool(dl, backend.path)
     backend.check(lab.q_nope, lab.pool, dl.sparse)  # refuses before any work
+    repeats = repeats or (1 if dl.indexer.num_layers >= 8 else 3)
     work = step_work(dl, backend)
     profs = [profile_work(work, lab.pool.device, DSA_CATEGORIES) for _ in range(repeats + 1)][1:]  # 1st: start-up
     df, n = _median(profs), dl.indexer.num_layers
@@ -276,14 +278,15 @@ def cast_under_dsa(profile: pd.DataFrame) -> dict:
                 layer_ms=t["total"], cast_share=t["cast"] / t["total"], time_ratio=t["cast"] / t["attention"])
 
 
-def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS) -> pd.DataFrame:
+def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS, repeats: int = 1) -> pd.DataFrame:
     """The DSA layer by category per path at each context length (``batch_size`` requests, a one-layer
     pool that just fits them): attention reads top-k tokens per request, the pool grows with the context.
-    With each path's dense layer there too, the modelled step (``step_model``) per path and context."""
+    With each path's dense layer there too, the modelled step (``step_model``) per path and context.
+    ``repeats``: profiles per point (median)."""
     rows = []
     for n in tqdm(list(contexts), desc="contexts", unit="point"):
         c = case(dl, batch_size, n)
-        runs = [(b, profile_step(c, b), dense_layer(c, b)) for b in (pick(c, path) for path in paths)]
+        runs = [(b, profile_step(c, b, repeats), dense_layer(c, b, repeats)) for b in (pick(c, path) for path in paths)]
         steps = step_model(pd.concat([r[1] for r in runs]), pd.concat([r[2] for r in runs]), c.indexer.cfg)
         for (b, prof, _), step in zip(runs, steps.itertuples()):
             t = prof.set_index("category").ms_per_layer
