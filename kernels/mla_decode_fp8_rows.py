@@ -43,15 +43,31 @@ P_SCALE = 256.0  # p in [0, 1] -> p * 256: e4m3 normal down to p = 2^-14
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 -> the e4m3 value nearest to x (ties to even), saturating at +-448, as fp32: bit
+    arithmetic on the fp32 word (normals keep 3 mantissa bits; below 2^-6 steps of 2^-9)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # 1.5 * 2^23: rounds to an integer
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
 def _e4m3(x, EMU: tl.constexpr):
     """fp32 -> float8e4nv, nearest-even, saturating at +-448."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if EMU:  # round here; the interpreter's cast is then exact
-        bits = x.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: steps of 2^-9
-        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return x.to(tl.float8e4nv)
+    if EMU:  # the interpreter's cast does not round: round first, the cast is then exact
+        return _round_e4m3(x).to(tl.float8e4nv)
+    return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _split_e4m3(x, EMU: tl.constexpr):
+    """x ~= hi + lo / 16, both e4m3 (lo = 16 * residual: normal down to residuals of 2^-10). The
+    residual is taken from hi's value rounded in fp32 (``_round_e4m3``), never from the fp8 register
+    converted back: on the H200 (Triton 3.6) that read-back made the residual wrong (run 1)."""
+    hi32 = _round_e4m3(x)
+    return hi32.to(tl.float8e4nv), _e4m3((x - hi32) * 16.0, EMU)
 
 
 @triton.jit
@@ -66,10 +82,11 @@ def _q_fp8(q_ptr, row_off, hmask, col0, inv, W: tl.constexpr, Q_SPLIT: tl.conste
     """Columns col0 .. col0 + W of q times inv (per head) as e4m3 hi and lo (lo = 16 * residual)."""
     x = tl.load(q_ptr + row_off[:, None] + col0 + tl.arange(0, W)[None, :], mask=hmask[:, None], other=0.0)
     x = x.to(tl.float32) * inv[:, None]
-    hi = _e4m3(x, EMU)
-    lo = hi
     if Q_SPLIT:
-        lo = _e4m3((x - hi.to(tl.float32)) * 16.0, EMU)
+        hi, lo = _split_e4m3(x, EMU)
+    else:
+        hi = _e4m3(x, EMU)
+        lo = hi
     return hi, lo
 
 
@@ -133,9 +150,11 @@ def _qk(hi, lo, k, acc, Q_SPLIT: tl.constexpr):
 def _pv(x, v, acc, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
     """acc + x @ v: x [BLOCK_H, BLOCK_N] fp32 in [0, 256] (scaled p), v [BLOCK_N, 128] e4m3."""
     if PV == 0:
-        hi = _e4m3(x, EMU)
         if P_SPLIT:
-            acc = tl.dot(_e4m3((x - hi.to(tl.float32)) * 16.0, EMU), v, acc * 16.0) * 0.0625
+            hi, lo = _split_e4m3(x, EMU)
+            acc = tl.dot(lo, v, acc * 16.0) * 0.0625
+        else:
+            hi = _e4m3(x, EMU)
         acc = tl.dot(hi, v, acc)
     elif EMU:
         acc = tl.dot(x, v.to(tl.float32), acc)
@@ -329,11 +348,13 @@ def _mla_decode_fp8_rows_kernel(
     _store_group(o_ptr, acc3, hmask, o_row, 384, scale, DIRECT, EMU)
 
 
-# GPU tuning (H200, scripts/gpu_rows.py; docs/perf-notes.md "Run 5"): per precision, the P.V mode
-# and tile; the splits fill one wave of ``ctas_per_sm`` CTAs per SM.
+# GPU tuning (H200, scripts/gpu_rows.py -> data/kernels/h200_rows_*; docs/perf-notes.md "Run 5"):
+# P.V with V widened to fp16 was 1.7-2.1x faster than the FP8 P.V in run 1 (an FP8 wgmma reads V
+# K-major, so Triton transposes the FP8 tile through shared memory); the splits fill one wave of
+# ``ctas_per_sm`` CTAs per SM.
 GPU_DEFAULTS = {
-    "fast": dict(pv="fp8", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
-    "accurate": dict(pv="fp8", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
+    "fast": dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
+    "accurate": dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
 }
 
 

@@ -111,12 +111,13 @@ def test_rows_kernel_cpu(layout, page_size, lens, heads, topk, splits, precision
         assert err > 2e-3, err
 
 
+@pytest.mark.parametrize("precision", ["fast", "accurate"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_rows_kernel_cpu_accurate_f16_pv(layout):
-    """The other accurate variant: split query, V widened (fp32 in the interpreter) for P.V."""
+def test_rows_kernel_cpu_fp8_pv(layout, precision):
+    """P.V as an FP8 dot: p * 256 in e4m3 (accurate: split into two e4m3 terms), V as stored."""
     pool, batch, qn, qp, reads, real = make_case(layout, 4, [90], 16, topk=64, seed=5)
-    out = run(pool, batch, qn, qp, "accurate", pv="f16")
-    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL["accurate"]
+    out = run(pool, batch, qn, qp, precision, pv="fp8")
+    assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
 
 
 @pytest.mark.parametrize("precision", ["fast", "accurate"])
@@ -193,10 +194,10 @@ def test_rows_kernel_gpu(layout, page_size, lens, heads, topk, precision):
 @pytest.mark.parametrize("topk", [0, 1024])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_kernel_gpu_variants(layout, topk):
-    """P.V with V widened to fp16 (both precisions) and 32-token tiles, with forced splits."""
+    """P.V as an FP8 dot (p in e4m3; accurate: hi + lo terms) and 32-token tiles, with forced splits."""
     pool, batch, qn, qp, reads, real = make_case(layout, 1 if topk else 64, [3000, 17], 64, topk=topk,
                                                  device="cuda")
     ref = reference(qn, qp, real, reads, SM)
     for precision in ("fast", "accurate"):
-        for kw in (dict(pv="f16"), dict(block_n=32, num_splits=7)):
+        for kw in (dict(pv="fp8"), dict(block_n=32, num_splits=7)):
             assert rel_err(run(pool, batch, qn, qp, precision, **kw), ref) < TOL[precision], (precision, kw)
