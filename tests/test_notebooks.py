@@ -103,6 +103,19 @@ def test_03_fp8_native_matches_the_oracle_and_refuses_clearly(run):
 
 
 @pytest.mark.notebooks
+def test_03_reports_the_minimum_over_its_records_as_the_fastest_fp8_native(run):
+    import re
+
+    recs = run[1][run[1].file.isin(["03_paths", "03_peers"])]
+    ours = recs[(recs.path == "fp8_native") & (recs.impl != "flashinfer")]
+    best = ours.iloc[int(ours.device_ms.to_numpy().argmin())]
+    nb = nbformat.read(run[0] / "03_fp8_native_backends.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    name, us = re.search(r"fastest FP8-native here: (\S+), ([\d,.]+) us", text).groups()
+    assert name == best.backend and float(us.replace(",", "")) == pytest.approx(best.device_ms * 1e3, abs=0.05)
+
+
+@pytest.mark.notebooks
 def test_04_report_models_the_step_for_three_paths(run):
     steps = _file(run[1], "04_step_model")
     assert list(steps.path) == ["full_pool_cast", "gather_cast", "fp8_native"]
