@@ -8,8 +8,9 @@
 Both take dense batches (the pool's pages) and sparse ones: a sparse batch runs as page size 1 over
 the layer viewed as [pool_tokens, 1, 576], ``kv_indices`` = each request's valid slots and
 ``kv_indptr`` from their counts. The counts are fixed when the batch is planned (they are
-min(context, topk) for an indexer's slots); each layer copies its slots into the planned
-``kv_indices`` buffer on the device.
+min(context, topk) for an indexer's slots, in every layer); each layer copies its slots into the
+planned ``kv_indices`` buffer on the device (after a stable sort that moves -1s last, unless the
+planned slots came valid-first, as an indexer gives them).
 
 Planning happens once per batch (``Backend.planner``): FlashInfer's plan copies metadata to the
 host, so it must never run inside a CUDA graph. Every layer's ``run`` launches device work only:
@@ -56,13 +57,17 @@ def slot_gather_index(slots: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(pool, batch, num_heads, sm_scale, q_dtype, kv_dtype):
-    """A planned wrapper and, for a sparse batch, the kv_indices buffer and gather index it reads."""
+    """A planned wrapper and, for a sparse batch, the kv_indices buffer, the gather index it reads and
+    whether the slots come valid-first (the indexer's order: no per-layer sort)."""
     dev = pool.device
     B = batch.batch_size
     w = BatchMLAPagedAttentionWrapper(_workspace(dev), backend="fa3")
     qo_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev)
     if batch.topk:
+        packed = valid_first(batch.token_indices)
         slots = batch.slots(0)
+        if not packed:
+            slots = slots.gather(1, torch.sort((slots < 0).to(torch.int8), dim=1, stable=True).indices)
         counts = torch.tensor(slot_counts(slots), dtype=torch.int32)
         kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(counts, 0)
@@ -70,12 +75,12 @@ def _plan(pool, batch, num_heads, sm_scale, q_dtype, kv_dtype):
         kv_indices = slots.flatten()[gather].contiguous()  # layer 0's slots; each run refills it
         kv_indptr, kv_lens, page_size = kv_indptr.to(dev), counts.to(dev), 1
     else:
-        gather, kv_indptr, kv_indices, kv_lens, page_size = (None, batch.kv_indptr, batch.kv_indices,
-                                                             batch.kv_lens, pool.page_size)
+        packed, gather, kv_indptr, kv_indices, kv_lens, page_size = (True, None, batch.kv_indptr, batch.kv_indices,
+                                                                     batch.kv_lens, pool.page_size)
     w.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_lens,
            num_heads=num_heads, head_dim_ckv=pool.kv_lora_rank, head_dim_kpe=pool.kv_dim - pool.kv_lora_rank,
            page_size=page_size, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
-    return w, kv_indices, gather
+    return w, kv_indices, gather, packed
 
 
 def _layer_kv(pool, layer: int, batch) -> torch.Tensor:
@@ -83,18 +88,29 @@ def _layer_kv(pool, layer: int, batch) -> torch.Tensor:
     return pool.rows(layer)[:, None, :] if batch.topk else pool.layer(layer)
 
 
-def _set_slots(kv_indices, gather, batch) -> None:
-    """This layer's valid slots into the planned kv_indices buffer: device work only, capturable."""
-    if gather is not None:
-        torch.index_select(batch.token_indices.flatten(), 0, gather, out=kv_indices)
+def valid_first(slots: torch.Tensor) -> bool:
+    """Whether every request's -1 slots come after its valid ones in ``slots`` [..., topk] (a host read)."""
+    valid = (slots >= 0).to(torch.int8)
+    return bool((valid[..., 1:] <= valid[..., :-1]).all()) if slots.shape[-1] > 1 else True
+
+
+def _set_slots(kv_indices, gather, batch, packed: bool) -> None:
+    """This layer's valid slots into the planned kv_indices buffer: device work only, capturable.
+    Unless the batch's slots were valid-first when planned, a stable sort moves the -1s last first."""
+    if gather is None:
+        return
+    slots = batch.token_indices
+    if not packed:
+        slots = slots.gather(1, torch.sort((slots < 0).to(torch.int8), dim=1, stable=True).indices)
+    torch.index_select(slots.flatten(), 0, gather, out=kv_indices)
 
 
 def _bf16_planner(pool, batch, num_heads, sm_scale, q_dtype):
-    w, kv_indices, gather = _plan(pool, batch, num_heads, sm_scale, q_dtype, q_dtype)
+    w, kv_indices, gather, packed = _plan(pool, batch, num_heads, sm_scale, q_dtype, q_dtype)
     d = pool.kv_lora_rank
 
     def run(q_nope, q_pe, layer, batch_l):
-        _set_slots(kv_indices, gather, batch_l)
+        _set_slots(kv_indices, gather, batch_l, packed)
         kv = _layer_kv(pool, layer, batch_l).to(q_nope.dtype)  # the whole-layer cast (no-op on BF16)
         k_scale = pool.scale(layer)
         if k_scale != 1.0:  # scores and values both carry k_scale: scale q in, the output out
@@ -106,11 +122,11 @@ def _bf16_planner(pool, batch, num_heads, sm_scale, q_dtype):
 
 
 def _fp8_planner(pool, batch, num_heads, sm_scale, q_dtype):
-    w, kv_indices, gather = _plan(pool, batch, num_heads, sm_scale, q_dtype, torch.float8_e4m3fn)
+    w, kv_indices, gather, packed = _plan(pool, batch, num_heads, sm_scale, q_dtype, torch.float8_e4m3fn)
     d = pool.kv_lora_rank
 
     def run(q_nope, q_pe, layer, batch_l):
-        _set_slots(kv_indices, gather, batch_l)
+        _set_slots(kv_indices, gather, batch_l, packed)
         kv, k_scale = _layer_kv(pool, layer, batch_l), pool.scale(layer)
         return w.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=kv[..., :d], kpe_cache=kv[..., d:],
                      ckv_scale=k_scale, kpe_scale=k_scale)

@@ -62,3 +62,20 @@ def test_flashinfer_plans_once_and_matches_oracle_in_every_layer(name, kv_dtype,
         ref = reference.mla_decode(qn, qp, pool.dequant(layer, torch.float64), one, 1 / 16)
         assert reference.rel_err(plan.run(qn, qp, layer), ref) < 1e-2, (name, layer)
     assert b.plan(pool, batch, 16, 1 / 16, qn.dtype) is plan
+
+
+def test_slots_with_minus_ones_anywhere_are_packed_in_order():
+    from types import SimpleNamespace
+
+    from labkit import peers
+
+    first = torch.tensor([[5, 9, -1, -1], [7, 1, 3, 2]], dtype=torch.int32)
+    mixed = torch.tensor([[-1, 5, -1, 9], [7, 1, 3, 2]], dtype=torch.int32)
+    assert peers.valid_first(first) and not peers.valid_first(mixed)
+    assert peers.valid_first(torch.stack([first, first])) and not peers.valid_first(torch.stack([first, mixed]))
+    gather = peers.slot_gather_index(first)
+    out = torch.empty(6, dtype=torch.int32)
+    peers._set_slots(out, gather, SimpleNamespace(token_indices=mixed), packed=False)
+    assert out.tolist() == [5, 9, 7, 1, 3, 2]
+    peers._set_slots(out.zero_(), gather, SimpleNamespace(token_indices=first), packed=True)
+    assert out.tolist() == [5, 9, 7, 1, 3, 2]
