@@ -24,7 +24,9 @@ Precision (constexpr):
   EMU      the CPU interpreter: its f32 -> fp8 casts are wrong (not rounded), so values are first
            rounded to e4m3 with integer/fp32 ops (then the cast is exact); fp8 dots are exact there,
            16-bit ones are not, so PV 1 runs in fp32 there
-"fast" = Q_SPLIT 0, P_SPLIT 0; "accurate" = Q_SPLIT 1 and (PV 0, P_SPLIT 1) or PV 1.
+"fast" = Q_SPLIT 0 (PV 0: P_SPLIT 0); "accurate" = Q_SPLIT 1 and PV 1, or PV 0 with P_SPLIT 1.
+On the H200 PV 1 is the default for both (``gpu_config``): the FP8 P.V was 1.7-2.1x slower, since an
+FP8 wgmma reads V K-major and Triton transposes the FP8 tile through shared memory for it.
 """
 from __future__ import annotations
 
@@ -64,8 +66,9 @@ def _e4m3(x, EMU: tl.constexpr):
 @triton.jit
 def _split_e4m3(x, EMU: tl.constexpr):
     """x ~= hi + lo / 16, both e4m3 (lo = 16 * residual: normal down to residuals of 2^-10). The
-    residual is taken from hi's value rounded in fp32 (``_round_e4m3``), never from the fp8 register
-    converted back: on the H200 (Triton 3.6) that read-back made the residual wrong (run 1)."""
+    residual is taken from hi's value rounded in fp32 (``_round_e4m3``), not from the fp8 tile
+    converted back: with the read-back the H200 (Triton 3.6) gave 0.13-0.7 relative error where the
+    interpreter gave 1.8e-3 (data/kernels/h200_rows_1); a 64 x 64 read-back alone was exact there."""
     hi32 = _round_e4m3(x)
     return hi32.to(tl.float8e4nv), _e4m3((x - hi32) * 16.0, EMU)
 
@@ -348,14 +351,21 @@ def _mla_decode_fp8_rows_kernel(
     _store_group(o_ptr, acc3, hmask, o_row, 384, scale, DIRECT, EMU)
 
 
-# GPU tuning (H200, scripts/gpu_rows.py -> data/kernels/h200_rows_*; docs/perf-notes.md "Run 5"):
-# P.V with V widened to fp16 was 1.7-2.1x faster than the FP8 P.V in run 1 (an FP8 wgmma reads V
-# K-major, so Triton transposes the FP8 tile through shared memory); the splits fill one wave of
-# ``ctas_per_sm`` CTAs per SM.
-GPU_DEFAULTS = {
-    "fast": dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
-    "accurate": dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1),
-}
+# GPU tuning, measured on the H200 (scripts/gpu_rows.py -> data/kernels/h200_rows_2; docs/perf-notes.md
+# "Run 5"): V widened to fp16 for P.V (1.7-2.1x faster than the FP8 P.V); ds_mla rows in 32-token
+# tiles (1.4-1.6x faster than 64: fewer spilled per-token scale vectors); 16-head blocks (mma.sync)
+# two CTAs per SM (1.3x). The splits fill one wave of ``ctas_per_sm`` CTAs per SM.
+GPU_DEFAULTS = dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1)
+
+
+def gpu_config(kv_layout: str, block_h: int) -> dict:
+    """The measured defaults for a layout and head block (see GPU_DEFAULTS)."""
+    cfg = dict(GPU_DEFAULTS)
+    if kv_layout == "fp8_ds_mla":
+        cfg["block_n"] = 32
+    if block_h <= 16:
+        cfg["ctas_per_sm"] = 2
+    return cfg
 
 
 def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv):
@@ -418,8 +428,9 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
         (kv_layout "fp8_per_tensor", real = stored * k_scale) or [pool_tokens, 656] uint8
         ("fp8_ds_mla": 512 e4m3 | 4 fp32 group scales | 64 bf16; k_scale must be 1).
     sm_scale : softmax scale. k_scale : per-tensor scale, folded into the scores and the output.
-    precision : "fast" (e4m3 query, p in e4m3: ~1e-2 rel. error) or "accurate" (query and p each
-        split into two e4m3 terms, or V widened to fp16 with ``pv="f16"``: <= 3e-3).
+    precision : "fast" (e4m3 query: 2.4-2.9e-2 rel. error measured) or "accurate" (the query as two
+        e4m3 terms: 1.7-1.9e-3; <= 3e-3). Both take P.V with V widened to fp16 on the GPU by default;
+        ``pv="fp8"``: p in e4m3 (accurate: two e4m3 terms), V as stored.
     Dense: kv_indptr [B + 1] int32, kv_indices [nnz] int32 page ids, kv_lens [B] int32, page_size
         (a power of two 1..128); max_len (the longest kv_lens) spares a device -> host read.
     Sparse: token_indices [B, topk] int32 rows of kv_rows, -1 = masked (never read); the page
@@ -462,7 +473,10 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
         lens = _int32("kv_lens", kv_lens, (B,), dev)
         indices = _int32("kv_indices", kv_indices, None, dev)
         tok, topk, page = lens, 0, page_size
-    cfg = dict(GPU_DEFAULTS[precision])
+    block_h = pick_block_h(H, block_h)
+    if block_h > 64:
+        raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
+    cfg = gpu_config(kv_layout, block_h)
     if not on_gpu:
         cfg.update(block_n=64, num_stages=1)
     given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre)
@@ -470,9 +484,6 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     bn = cfg["block_n"]
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"mla_decode_fp8_rows: block_n={bn}; allowed powers of two >= 16")
-    block_h = pick_block_h(H, block_h)
-    if block_h > 64:
-        raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
     if num_warps is None:
         num_warps = 8 if block_h >= 64 else 4
     head_blocks = triton.cdiv(H, block_h)

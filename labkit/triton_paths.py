@@ -186,8 +186,9 @@ def _fp8_rows(precision: str):
     return run
 
 
-for _name, _prec, _how in (("triton_rows", "fast", "e4m3 query and p, FP8 dots for both products"),
-                           ("triton_rows_acc", "accurate", "query and p each hi + lo e4m3 terms: 4 FP8 dots")):
+for _name, _prec, _how in (("triton_rows", "fast", "e4m3 query, FP8 score dots, V widened to fp16 for P.V"),
+                           ("triton_rows_acc", "accurate", "query as hi + lo e4m3 terms (two FP8 score dots), "
+                                                           "V widened to fp16 for P.V")):
     register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_rows(_prec), kv_dtypes=("fp8_e4m3",),
                      kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), precision=_prec, dense=True, sparse=True,
                      min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
