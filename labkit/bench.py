@@ -183,6 +183,20 @@ def table(df):
     return piv.round(1)
 
 
+def host_table(df):
+    """Eager host microseconds per call at one request (the ``one`` shapes), each provider beside
+    FlashInfer's in the same run; ``x_flashinfer`` > 1: ours costs the host more than FlashInfer's."""
+    one = df[(df["shape"] == "one") & df.host_us.notna()] if "host_us" in df else df.iloc[:0]
+    if one.empty:
+        return one
+    piv = one.pivot_table(index="heads", columns="label", values="host_us")
+    fi = [c for c in piv.columns if c.startswith("flashinfer")]
+    if fi:
+        base = piv[fi].min(axis=1)
+        piv = piv.join(piv.drop(columns=fi).div(base, axis=0).add_prefix("x_flashinfer "))
+    return piv.round(2)
+
+
 def write_select(df, run_dir, to_data: bool, arch: str, source: str) -> list:
     """The preference table from this run's checked rows: into the run folder, and into data/select/."""
     ok = df[df.get("graph_us").notna()] if "graph_us" in df else df.iloc[:0]
@@ -239,6 +253,9 @@ def main(argv=None) -> int:
     print()
     if df.median_ms.notna().any():
         print(table(df[df.median_ms.notna()]).to_string())
+        host = host_table(df)
+        if len(host):
+            print("\nhost us per eager call, one request:\n" + host.to_string())
     if device == "cuda":
         for p in write_select(df, run_dir, args.write_select, preferences.arch_of(device), str(run_dir)):
             print(f"preference table -> {p}")

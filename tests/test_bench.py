@@ -101,3 +101,13 @@ def test_labkit_bench_is_the_same_entry_point(capsys):
         pytest.skip("CUDA is available here")
     assert cli.main(["bench", "--grid", "gpu"]) == 2
     assert "--grid gpu needs a CUDA device" in capsys.readouterr().err
+
+
+def test_host_table_sets_ours_beside_flashinfer_at_one_request():
+    df = pd.DataFrame([dict(shape="one", heads=16, label=lab, host_us=us) for lab, us in
+                       [("fp8_native.gluon", 40.0), ("flashinfer_mla[bf16]", 60.0), ("flashinfer_mla_fp8", 80.0),
+                        ("bf16_pool.triton", 90.0)]] + [dict(shape="mem", heads=16, label="fp8_native.gluon", host_us=1.0)])
+    t = bench.host_table(df)
+    assert t.loc[16, "fp8_native.gluon"] == 40.0  # the batched shape is not in it
+    assert t.loc[16, "x_flashinfer fp8_native.gluon"] == pytest.approx(40 / 60, abs=0.01)
+    assert t.loc[16, "x_flashinfer bf16_pool.triton"] == pytest.approx(1.5)
