@@ -98,13 +98,14 @@ def _batch(shape: Shape, pool: KVPool, seed: int):
     return kvpool.batch_for_pool(pool, lens, seed=seed)
 
 
-def _measure(call, layers: int, device: str) -> dict:
-    """median/p20/p80 (do_bench), graph_us (CUDA graph over rotating layers) and host_us of ``call(layer)``."""
+def _measure(call, layers: int, device: str, one_request: bool = True) -> dict:
+    """median/p20/p80 (do_bench), graph_us (CUDA graph over rotating layers) and host_us of ``call(layer)``
+    (50 calls a loop at one request, where the host is what it measures; 10 elsewhere)."""
     gpu = device == "cuda"
     t = timing.bench(lambda: call(0), warmup_ms=25, rep_ms=100 if gpu else 20, device=device, min_reps=3)
     g = (timing.graph_times(call, range(layers), device=device) if gpu else
          timing.graph_times(call, range(layers), replays=2, warmup=1, device=device))
-    host = timing.host_us(call, layers=layers, calls=50 if gpu else 2, repeats=5 if gpu else 1,
+    host = timing.host_us(call, layers=layers, calls=(50 if one_request else 10) if gpu else 2, repeats=5 if gpu else 1,
                           warmup=2 if gpu else 0, device=device)
     return dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, timing_device=t.device,
                 graph_us=g.us, graph_method=g.method, host_us=host)
@@ -147,7 +148,8 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
             rows.append({**row, "note": f"rel_err {row['rel_err']:.2e} > {REF_TOL}: not timed"})
             continue
         try:
-            row.update(_measure(call, layers, device), extra_bytes=memory.extra_memory(lambda: call(0), device))
+            row.update(_measure(call, layers, device, shape.batch == 1),
+                       extra_bytes=memory.extra_memory(lambda: call(0), device))
         except Exception as e:  # noqa: BLE001
             rows.append({**row, "note": f"timing: {type(e).__name__}: {str(e)[:300]}"})
             continue
