@@ -52,9 +52,7 @@ def test_every_backend_captures_in_a_cuda_graph(layout, sparse):
             ref = reference.mla_decode(qn, qp, pool.dequant(layer, torch.float64),
                                        batch.with_slots(batch.slots(layer)) if sparse else batch, SM)
             assert reference.rel_err(e, ref) < 6e-2, (name, layer)
-            if b.impl == "flashinfer":
-                assert reference.rel_err(o, e) < 1e-3, name
-            else:
-                assert torch.equal(o, e), name
+            # the same launches replayed: equal up to the order of any atomic reductions
+            assert reference.rel_err(o, e) < (1e-3 if b.impl == "flashinfer" else 1e-6), name
         captured.append(name)
     assert captured or layout == "fp8_ds_mla", "no backend allowed this call"
