@@ -139,8 +139,8 @@ def test_05_sparse_step_profiled_checked_and_modelled(run):
     assert cast.pool_tokens == 4096 and cast.bytes_ratio == pytest.approx(4096 * (576 + 1152) / (421 * 1152))
     sweep = _file(df, "05_context_sweep")
     assert sorted(sweep.context_len.unique()) == [64, 300] and (sweep.groupby("context_len").cast_bytes.nunique() == 1).all()
+    assert sweep.tok_s.gt(0).all() and (sweep.step_ms > sweep.total_ms * 3).all()  # 3 sparse layers of tiny's 4
     steps = _file(df, "05_step_model").set_index("path")
     assert (steps.layers == 4).all() and (steps.dense_layers == 1).all() and steps.tok_s.gt(0).all()
     assert steps.cast_share.full_pool_cast > 0 and steps.cast_share.fp8_native == 0
     assert "Step 4: GLM-5" in (run[0] / "04_report.html").read_text()
-    assert sweep.tok_s.gt(0).all() and (sweep.step_ms > sweep.total_ms * 3).all()  # 3 sparse layers of tiny's 4
