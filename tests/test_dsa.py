@@ -148,3 +148,15 @@ def test_peers_missing_here_say_why():
         pytest.skip("FlashInfer may be here: measured in notebook 05")
     rows = dsa.peers(_lab())
     assert len(rows) == 2 and rows.note.str.len().gt(0).all()
+
+
+@pytest.mark.parametrize("name, notes, expected", [
+    ("aten::mm", ("index",), "index"),  # the indexer's torch logits are matmuls, not attention
+    ("aten::topk", ("topk",), "topk"),
+    ("_index_logits_kernel", ("index", "labkit.decode_step"), "index"),
+    ("aten::mm", (), "attention"),
+])
+def test_index_and_topk_ranges_set_the_category(name, notes, expected):
+    from labkit.profiling import categorize
+
+    assert categorize(name, "float", (), notes) == expected
