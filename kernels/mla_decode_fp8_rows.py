@@ -10,11 +10,13 @@ request b is row ``kv_indices[kv_indptr[b] + n // page_size] * page_size + n % p
 n < kv_lens[b]. Sparse: position n is row ``token_indices[b, n]``; -1 is masked and never read.
 
 Grid (B, cdiv(H, BLOCK_H), splits); heads sit on the MMA's M side. The 512 NoPE columns are four
-groups of 128, each its own FP8 dot: in ds_mla each group's scale multiplies that group's partial
-score (per token) and that group's p before P.V (as a power-of-two ratio to the tile's largest
-scale, which multiplies the dot's result), so no KV value is ever widened on the FP8 path.
+groups of 128, each its own FP8 score dot and its own P.V: in ds_mla each group's scale multiplies
+that group's partial score (per token, as a chain of power-of-two ratios so the dots accumulate into
+one tile) and that group's p before P.V (as a ratio to the tile's largest scale, which multiplies
+the dot's result), so no KV value is scaled and, with PV 0, none is widened.
 
-Query: e4m3 with one scale per (request, head), amax / 448, quantized in the kernel.
+Query: e4m3 with one scale per (request, head), amax / 448, quantized by ``_quantize_q_kernel``
+(Q_PRE, the default) or by each program.
 Precision (constexpr):
   Q_SPLIT  0: q = hi (e4m3).  1: q = hi + lo / 16, both e4m3 (two FP8 dots per group; exact to
            ~2^-8, as good as a 16-bit query)
