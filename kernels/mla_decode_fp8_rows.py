@@ -98,8 +98,9 @@ def _q_fp8(q_ptr, row_off, hmask, col0, inv, W: tl.constexpr, Q_SPLIT: tl.conste
 @triton.jit
 def _q_scale(q_nope_ptr, q_pe_ptr, qn_off, qp_off, hmask, DS: tl.constexpr):
     """Per-head e4m3 scale amax / 448 (ds_mla: of the NoPE part only) and its inverse: [BLOCK_H] each."""
-    amax = tl.maximum(tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 0, 128), _q_amax(q_nope_ptr, qn_off, hmask, 128, 128)),
-                      tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 256, 128), _q_amax(q_nope_ptr, qn_off, hmask, 384, 128)))
+    a01 = tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 0, 128), _q_amax(q_nope_ptr, qn_off, hmask, 128, 128))
+    a23 = tl.maximum(_q_amax(q_nope_ptr, qn_off, hmask, 256, 128), _q_amax(q_nope_ptr, qn_off, hmask, 384, 128))
+    amax = tl.maximum(a01, a23)
     if not DS:
         amax = tl.maximum(amax, _q_amax(q_pe_ptr, qp_off, hmask, 0, 64))
     q_sc = tl.maximum(amax, 1e-30) / 448.0
@@ -449,7 +450,8 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     valid slots (sparse), + B * H * 576 * 2 of queries; each of cdiv(H, block_h) head blocks reads
     the rows again (from L2 when the blocks run together). 2 * H * L * (576 + 512) FLOPs, twice
     that on FP8 MMAs for "accurate" (hi + lo terms). With S > 1 splits, B * H * S * 513 * 4 bytes
-    of partials written and read back by ``mla_merge``.
+    of partials written and read back by ``mla_merge``; the query launch (q_pre) writes and the
+    decode reads B * H * (1152 + 4) bytes.
     """
     B, H = _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv)
     dev = q_nope.device
@@ -460,7 +462,8 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     sparse = token_indices is not None
     if sparse:
         if token_indices.dim() != 2 or token_indices.shape[0] != B:
-            raise ValueError(f"mla_decode_fp8_rows: token_indices must be [{B}, topk], got {tuple(token_indices.shape)}")
+            raise ValueError(f"mla_decode_fp8_rows: token_indices must be [{B}, topk], "
+                             f"got {tuple(token_indices.shape)}")
         tok = _int32("token_indices", token_indices, None, dev)
         topk = tok.shape[1]
         max_len = topk
@@ -470,7 +473,8 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
         if page_size is None or page_size < 1 or page_size > 128 or page_size & (page_size - 1):
             raise ValueError(f"mla_decode_fp8_rows: page_size={page_size}; allowed powers of two 1..128")
         if kv_rows.shape[0] % page_size:
-            raise ValueError(f"mla_decode_fp8_rows: kv_rows has {kv_rows.shape[0]} rows, not whole pages of {page_size}")
+            raise ValueError(f"mla_decode_fp8_rows: kv_rows has {kv_rows.shape[0]} rows, "
+                             f"not whole pages of page_size={page_size}")
         indptr = _int32("kv_indptr", kv_indptr, (B + 1,), dev)
         lens = _int32("kv_lens", kv_lens, (B,), dev)
         indices = _int32("kv_indices", kv_indices, None, dev)

@@ -185,8 +185,8 @@ def _warm(specs) -> int:
         common = dict(sm_scale=SM_SCALE, kv_layout=layout, precision=prec, num_splits=splits, **dict(kw))
         try:
             if kind == "sparse":
-                mla_decode_fp8_rows(qn, qp, pool.rows(0), token_indices=batch.kv_indices.view(1, -1)[:, :64].contiguous(),
-                                    **common)
+                slots = batch.kv_indices.view(1, -1)[:, :64].contiguous()
+                mla_decode_fp8_rows(qn, qp, pool.rows(0), token_indices=slots, **common)
             else:
                 mla_decode_fp8_rows(qn, qp, pool.rows(0), kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices,
                                     kv_lens=batch.kv_lens, page_size=64, max_len=256, **common)
@@ -264,7 +264,8 @@ def measure(case, method, layout, precision, config, call, refs, copy_gbps, targ
             torch.cuda.synchronize()
         row["rel_err"] = float((out.double() - refs[layout]).norm() / refs[layout].norm())
         row["graph_us"] = timing.graph_times(call, range(case.layers), replays=REPLAYS).us
-        row["bench_us"] = timing.bench(lambda: call(0), rep_ms=50 if DEV == "cuda" else 1, warmup_ms=25 if DEV == "cuda" else 1).us
+        gpu = DEV == "cuda"
+        row["bench_us"] = timing.bench(lambda: call(0), rep_ms=50 if gpu else 1, warmup_ms=25 if gpu else 1).us
         nbytes = case.tokens_read * kvlayout.KV_LAYOUTS[layout] + case.B * case.H * (576 + 512) * 2
         flops = 2 * case.H * case.tokens_read * (576 + 512)
         row["tb_s"] = nbytes / row["graph_us"] / 1e6
