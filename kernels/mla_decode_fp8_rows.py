@@ -10,10 +10,16 @@ request b is row ``kv_indices[kv_indptr[b] + n // page_size] * page_size + n % p
 n < kv_lens[b]. Sparse: position n is row ``token_indices[b, n]``; -1 is masked and never read.
 
 Grid (B, cdiv(H, BLOCK_H), splits); heads sit on the MMA's M side. The 512 NoPE columns are four
-groups of 128, each its own FP8 score dot and its own P.V: in ds_mla each group's scale multiplies
-that group's partial score (per token, as a chain of power-of-two ratios so the dots accumulate into
-one tile) and that group's p before P.V (as a ratio to the tile's largest scale, which multiplies
-the dot's result), so no KV value is scaled and, with PV 0, none is widened.
+groups of 128, each its own score dot and its own P.V. ds_mla group scales, two ways (``ds_scales``):
+  "widen" (DS_W, the default): each [BLOCK_N, 128] e4m3 group tile is widened to bf16 with its
+           per-token scale multiplied in (exact: a power of two times 3 mantissa bits, bf16 has
+           fp32's exponent range); the same tiles serve QK (one chain of bf16 dots against a bf16
+           query, RoPE included, no query scale) and P.V (p in bf16). Nothing is scaled per group
+           after the dots and no scale vector enters an MMA layout.
+  "groups": each group's scale multiplies that group's partial score (per token, as a chain of
+           power-of-two ratios so the FP8 dots accumulate into one tile) and that group's p before
+           P.V (as a ratio to the tile's largest scale, which multiplies the dot's result), so no KV
+           value is scaled and, with PV 0, none is widened.
 
 Query: e4m3 with one scale per (request, head), amax / 448, quantized by ``_quantize_q_kernel``
 (Q_PRE, the default) or by each program.
@@ -27,6 +33,10 @@ Precision (constexpr):
            rounded to e4m3 with integer/fp32 ops (then the cast is exact); fp8 dots are exact there,
            16-bit ones are not, so PV 1 runs in fp32 there
 "fast" = Q_SPLIT 0 (PV 0: P_SPLIT 0); "accurate" = Q_SPLIT 1 and PV 1, or PV 0 with P_SPLIT 1.
+DS_W: the query is bf16 (one term: the e4m3 query's error is gone, so "fast" is as good as a 16-bit
+query) and p is bf16; "accurate" splits p into bf16 hi + lo (two P.V dots per group): on the CPU
+p's 8 bits set the error (2.0-2.2e-3 with one term, 1.7e-3 split, the bf16 output's floor), a
+split query changed nothing, so Q_SPLIT is 0 there (the kernel still takes it).
 On the H200 PV 1 is the default for both (``gpu_config``): the FP8 P.V was 1.7-2.1x slower, since an
 FP8 wgmma reads V K-major and Triton transposes the FP8 tile through shared memory for it.
 """
@@ -43,6 +53,7 @@ from .mla_merge import mla_merge, round_to_bf16
 LAYOUT_ROW = {"fp8_per_tensor": 576, "fp8_ds_mla": 656}  # bytes per token row
 PRECISIONS = ("fast", "accurate")
 PV_MODES = {"fp8": 0, "f16": 1}
+DS_SCALES = ("widen", "groups")  # fp8_ds_mla: scales into K/V as widened to bf16, or per-group scores and p
 P_SCALE = 256.0  # p in [0, 1] -> p * 256: e4m3 normal down to p = 2^-14
 
 
@@ -170,6 +181,58 @@ def _pv(x, v, acc, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _q_bf16(q_ptr, row_off, hmask, col0, W: tl.constexpr, SPLIT: tl.constexpr, EMU: tl.constexpr):
+    """Columns col0 .. col0 + W of q as bf16 hi and lo = bf16(q - hi): [BLOCK_H, W] each (fp32 holding
+    bf16 values under EMU). hi's value comes from bit arithmetic in fp32 (``round_to_bf16``), never
+    from a narrow register read back (the trap ``_split_e4m3`` describes)."""
+    x = tl.load(q_ptr + row_off[:, None] + col0 + tl.arange(0, W)[None, :], mask=hmask[:, None], other=0.0)
+    x = x.to(tl.float32)
+    hi = round_to_bf16(x)
+    lo = hi
+    if SPLIT:
+        lo = round_to_bf16(x - hi)
+    if not EMU:
+        hi = hi.to(tl.bfloat16)
+        lo = lo.to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def _widen_scaled(k, sc, EMU: tl.constexpr):
+    """[BLOCK_N, 128] e4m3 times each row's power-of-two group scale sc [BLOCK_N] fp32 -> bf16: exact
+    (3 mantissa bits times a power of two; bf16 has fp32's exponent range). fp32 under EMU."""
+    x = k.to(tl.float32) * sc[:, None]
+    if EMU:
+        return x
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _qk16(hi, lo, k, acc, SPLIT: tl.constexpr):
+    """acc + q . k^T: [BLOCK_H, W] bf16 query terms (hi, lo), [BLOCK_N, W] bf16 keys, acc fp32."""
+    kt = tl.trans(k)
+    if SPLIT:
+        acc = tl.dot(lo, kt, acc)
+    return tl.dot(hi, kt, acc)
+
+
+@triton.jit
+def _pv16(x, v, acc, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
+    """acc + x @ v: x [BLOCK_H, BLOCK_N] fp32 (scaled p) in bf16 (P_SPLIT: hi + lo terms), v [BLOCK_N,
+    128] bf16 (fp32 under EMU)."""
+    hi = round_to_bf16(x)
+    if P_SPLIT:
+        lo = round_to_bf16(x - hi)
+        if EMU:
+            acc = tl.dot(lo, v, acc)
+        else:
+            acc = tl.dot(lo.to(tl.bfloat16), v, acc)
+    if EMU:
+        return tl.dot(hi, v, acc)
+    return tl.dot(hi.to(tl.bfloat16), v, acc)
+
+
+@triton.jit
 def _tile_rows(kv_indices_ptr, tok_ptr, page_base, n0, end, SPARSE: tl.constexpr, PAGE: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Rows (int64) of positions n0 .. n0 + BLOCK_N of a request and which are to be read."""
@@ -223,6 +286,7 @@ def _mla_decode_fp8_rows_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_o_b, stride_o_h,
     ROW: tl.constexpr,  # 576 or 656
     DS: tl.constexpr,  # fp8_ds_mla rows
+    DS_W: tl.constexpr,  # ds_mla: group scales multiplied into K/V as they are widened to bf16
     SPARSE: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -251,7 +315,13 @@ def _mla_decode_fp8_rows_kernel(
     # the query in e4m3, one scale per head (ds_mla: RoPE stays 16-bit, outside the scale)
     qn_off = b * stride_qn_b + heads * stride_qn_h
     qp_off = b * stride_qp_b + heads * stride_qp_h
-    if Q_PRE:  # quantized by _quantize_q_kernel: [B, H, 2, 576] e4m3 (hi | lo) and [B, H] scales
+    if DS_W:  # bf16 query (Q_SPLIT: hi + lo), no scale: the keys are widened to bf16 with theirs
+        qh0, ql0 = _q_bf16(q_nope_ptr, qn_off, hmask, 0, 128, Q_SPLIT, EMU)
+        qh1, ql1 = _q_bf16(q_nope_ptr, qn_off, hmask, 128, 128, Q_SPLIT, EMU)
+        qh2, ql2 = _q_bf16(q_nope_ptr, qn_off, hmask, 256, 128, Q_SPLIT, EMU)
+        qh3, ql3 = _q_bf16(q_nope_ptr, qn_off, hmask, 384, 128, Q_SPLIT, EMU)
+        qph, qpl = _q_bf16(q_pe_ptr, qp_off, hmask, 0, 64, Q_SPLIT, EMU)
+    elif Q_PRE:  # quantized by _quantize_q_kernel: [B, H, 2, 576] e4m3 (hi | lo) and [B, H] scales
         q8_off = (b * H + heads) * 1152
         q_sc = tl.load(qsc_ptr + b * H + heads, mask=hmask, other=1.0)
         qh0, ql0 = _q_load8(q8_ptr, q8_off, hmask, 0, 128, Q_SPLIT)
@@ -266,7 +336,7 @@ def _mla_decode_fp8_rows_kernel(
         qh2, ql2 = _q_fp8(q_nope_ptr, qn_off, hmask, 256, inv, 128, Q_SPLIT, EMU)
         qh3, ql3 = _q_fp8(q_nope_ptr, qn_off, hmask, 384, inv, 128, Q_SPLIT, EMU)
         qph, qpl = _q_fp8(q_pe_ptr, qp_off, hmask, 0, inv, 64, Q_SPLIT, EMU)  # unused for ds_mla
-    if DS:
+    if DS and not DS_W:
         q_r = tl.load(q_pe_ptr + qp_off[:, None] + d64[None, :], mask=hmask[:, None], other=0.0)
         if EMU:
             q_r = q_r.to(tl.float32)
@@ -286,7 +356,21 @@ def _mla_decode_fp8_rows_kernel(
         k1 = tl.load(base + 128, mask=nmask[:, None], other=0.0)
         k2 = tl.load(base + 256, mask=nmask[:, None], other=0.0)
         k3 = tl.load(base + 384, mask=nmask[:, None], other=0.0)
-        if DS:
+        if DS_W:  # one chain of bf16 dots over the scaled tiles; the same tiles serve P.V below
+            sw = kvs_ptr + rows * (ROW // 4) + 128
+            w0 = _widen_scaled(k0, tl.load(sw, mask=nmask, other=0.0), EMU)
+            w1 = _widen_scaled(k1, tl.load(sw + 1, mask=nmask, other=0.0), EMU)
+            w2 = _widen_scaled(k2, tl.load(sw + 2, mask=nmask, other=0.0), EMU)
+            w3 = _widen_scaled(k3, tl.load(sw + 3, mask=nmask, other=0.0), EMU)
+            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
+            if EMU:
+                kr = kr.to(tl.float32)
+            s = _qk16(qph, qpl, kr, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_SPLIT)
+            s = _qk16(qh0, ql0, w0, s, Q_SPLIT)
+            s = _qk16(qh1, ql1, w1, s, Q_SPLIT)
+            s = _qk16(qh2, ql2, w2, s, Q_SPLIT)
+            s = _qk16(qh3, ql3, w3, s, Q_SPLIT)
+        elif DS:
             sw = kvs_ptr + rows * (ROW // 4) + 128
             sc0 = tl.load(sw, mask=nmask, other=0.0)  # [BLOCK_N] fp32, power-of-two group scales
             sc1 = tl.load(sw + 1, mask=nmask, other=0.0)
@@ -320,7 +404,13 @@ def _mla_decode_fp8_rows_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        if DS:  # p times each token's scale / the tile's largest (a power of two, <= 1)
+        if DS_W:
+            x = p * 256.0
+            acc0 = _pv16(x, w0, acc0 * alpha[:, None], P_SPLIT, EMU)
+            acc1 = _pv16(x, w1, acc1 * alpha[:, None], P_SPLIT, EMU)
+            acc2 = _pv16(x, w2, acc2 * alpha[:, None], P_SPLIT, EMU)
+            acc3 = _pv16(x, w3, acc3 * alpha[:, None], P_SPLIT, EMU)
+        elif DS:  # p times each token's scale / the tile's largest (a power of two, <= 1)
             mx0 = tl.maximum(tl.max(sc0), 1e-30)
             mx1 = tl.maximum(tl.max(sc1), 1e-30)
             mx2 = tl.maximum(tl.max(sc2), 1e-30)
@@ -361,19 +451,25 @@ def _mla_decode_fp8_rows_kernel(
 GPU_DEFAULTS = dict(pv="f16", q_pre=True, block_n=64, num_stages=2, ctas_per_sm=1)
 
 
-def gpu_config(kv_layout: str, block_h: int) -> dict:
-    """The measured defaults for a layout and head block (see GPU_DEFAULTS)."""
+def gpu_config(kv_layout: str, block_h: int, ds_scales: str = "widen") -> dict:
+    """The measured defaults for a layout and head block (see GPU_DEFAULTS). ds_scales "widen" takes
+    the per-tensor tile (not yet measured on its own: no scale vectors in MMA layouts to spill)."""
     cfg = dict(GPU_DEFAULTS)
-    if kv_layout == "fp8_ds_mla":
+    if kv_layout == "fp8_ds_mla" and ds_scales == "groups":
         cfg["block_n"] = 32
     if block_h <= 16:
         cfg["ctas_per_sm"] = 2
     return cfg
 
 
-def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv):
+def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales):
     if kv_layout not in LAYOUT_ROW:
         raise ValueError(f"mla_decode_fp8_rows: kv_layout={kv_layout!r}; allowed {list(LAYOUT_ROW)}")
+    if ds_scales not in DS_SCALES:
+        raise ValueError(f"mla_decode_fp8_rows: ds_scales={ds_scales!r}; allowed {list(DS_SCALES)}")
+    if kv_layout == "fp8_ds_mla" and ds_scales == "widen" and pv is not None:
+        raise ValueError(f"mla_decode_fp8_rows: pv={pv!r} with ds_scales='widen' (P.V is bf16 there); "
+                         "allowed None, or ds_scales='groups'")
     if precision not in PRECISIONS:
         raise ValueError(f"mla_decode_fp8_rows: precision={precision!r}; allowed {list(PRECISIONS)}")
     if pv is not None and pv not in PV_MODES:
@@ -420,7 +516,8 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
                         token_indices: torch.Tensor | None = None, max_len: int | None = None,
                         num_splits: int | None = None, return_lse: bool = False, pv: str | None = None,
                         block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, ctas_per_sm: float | None = None, q_pre: bool | None = None):
+                        num_stages: int | None = None, ctas_per_sm: float | None = None, q_pre: bool | None = None,
+                        ds_scales: str = "widen"):
     """MLA decode over FP8 token rows, dense (page table) or sparse (token slots).
 
     Parameters
@@ -433,14 +530,18 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     sm_scale : softmax scale. k_scale : per-tensor scale, folded into the scores and the output.
     precision : "fast" (e4m3 query: 2.4-2.9e-2 rel. error measured) or "accurate" (the query as two
         e4m3 terms: 1.7-1.9e-3; <= 3e-3). Both take P.V with V widened to fp16 on the GPU by default;
-        ``pv="fp8"``: p in e4m3 (accurate: two e4m3 terms), V as stored.
+        ``pv="fp8"``: p in e4m3 (accurate: two e4m3 terms), V as stored. fp8_ds_mla with
+        ds_scales="widen": bf16 query and p, K/V widened to bf16 with their scales ("fast" ~2e-3 on
+        the CPU; "accurate": p as bf16 hi + lo, ~1.7e-3); pv must stay None there.
+    ds_scales : fp8_ds_mla only: "widen" (default) or "groups" (the per-group score and p scaling
+        of FP8 dots; see the module docstring). Ignored for fp8_per_tensor.
     Dense: kv_indptr [B + 1] int32, kv_indices [nnz] int32 page ids, kv_lens [B] int32, page_size
         (a power of two 1..128); max_len (the longest kv_lens) spares a device -> host read.
     Sparse: token_indices [B, topk] int32 rows of kv_rows, -1 = masked (never read); the page
         table is not read.
     num_splits, pv ("fp8" | "f16"), block_n, block_h, num_warps, num_stages, ctas_per_sm, q_pre
         (quantize the query in its own launch, [B, H, 2, 576] e4m3 + [B, H] fp32, instead of in every
-        program) : tuning; None takes ``GPU_DEFAULTS`` (CPU: one split, fp32 16-bit paths).
+        program; not used by ds_scales="widen", which reads the 16-bit query) : tuning; None takes ``GPU_DEFAULTS`` (CPU: one split, fp32 16-bit paths).
 
     Returns
     -------
@@ -449,11 +550,12 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     Cost: reads L * 576 (per-tensor) or L * 656 (ds_mla) bytes of KV, L = sum kv_lens (dense) or the
     valid slots (sparse), + B * H * 576 * 2 of queries; each of cdiv(H, block_h) head blocks reads
     the rows again (from L2 when the blocks run together). 2 * H * L * (576 + 512) FLOPs, twice
-    that on FP8 MMAs for "accurate" (hi + lo terms). With S > 1 splits, B * H * S * 513 * 4 bytes
+    that on FP8 MMAs for "accurate" (hi + lo terms); ds_scales="widen": bf16 MMAs, "accurate"
+    doubling the P.V half. With S > 1 splits, B * H * S * 513 * 4 bytes
     of partials written and read back by ``mla_merge``; the query launch (q_pre) writes and the
     decode reads B * H * (1152 + 4) bytes.
     """
-    B, H = _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv)
+    B, H = _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales)
     dev = q_nope.device
     on_gpu = dev.type == "cuda"
     ds = kv_layout == "fp8_ds_mla"
@@ -482,7 +584,8 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     block_h = pick_block_h(H, block_h)
     if block_h > 64:
         raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
-    cfg = gpu_config(kv_layout, block_h)
+    ds_w = ds and ds_scales == "widen"
+    cfg = gpu_config(kv_layout, block_h, ds_scales)
     if not on_gpu:
         cfg.update(block_n=64, num_stages=1)
     given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre)
@@ -502,7 +605,7 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     q8 = qsc = lse_buf
-    if cfg["q_pre"]:
+    if cfg["q_pre"] and not ds_w:  # ds_w reads the 16-bit query itself
         q8 = torch.empty(B, H, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
         qsc = torch.empty(B, H, dtype=torch.float32, device=dev)
         bq = 16 if on_gpu else 64
@@ -516,8 +619,9 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
         q_nope, q_pe, kv8, kvs, kvr, indptr, indices, lens, tok, q8, qsc, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, out_scale, H, num_splits, topk,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        ROW=LAYOUT_ROW[kv_layout], DS=ds, SPARSE=sparse, PAGE=page, BLOCK_N=bn, BLOCK_H=block_h, DIRECT=direct,
-        Q_SPLIT=accurate, PV=pv_mode, P_SPLIT=accurate and pv_mode == 0, EMU=not on_gpu, Q_PRE=bool(cfg["q_pre"]),
+        ROW=LAYOUT_ROW[kv_layout], DS=ds, DS_W=ds_w, SPARSE=sparse, PAGE=page, BLOCK_N=bn, BLOCK_H=block_h, DIRECT=direct,
+        Q_SPLIT=accurate and not ds_w, PV=pv_mode, P_SPLIT=accurate and (pv_mode == 0 or ds_w), EMU=not on_gpu,
+        Q_PRE=bool(cfg["q_pre"]) and not ds_w,
         num_warps=num_warps, num_stages=cfg["num_stages"],
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))

@@ -97,26 +97,46 @@ CPU_CASES = [
     ("fp8_per_tensor", 1, [50, 160], 20, 96, 1),  # request 0: 50 slots, 46 x -1
     ("fp8_ds_mla", 8, [200, 70], 40, 96, 2),  # 40 heads: one block of 64, 24 masked
 ]
+# ds_mla cases run with both ways of applying the group scales; per-tensor rows have one way
+CPU_PARAMS = [c + (mode,) for c in CPU_CASES for mode in (("widen", "groups") if c[0] == "fp8_ds_mla" else ("-",))]
 
 
 @pytest.mark.parametrize("precision", ["fast", "accurate"])
-@pytest.mark.parametrize("layout,page_size,lens,heads,topk,splits", CPU_CASES)
-def test_rows_kernel_cpu(layout, page_size, lens, heads, topk, splits, precision):
+@pytest.mark.parametrize("layout,page_size,lens,heads,topk,splits,ds_scales", CPU_PARAMS)
+def test_rows_kernel_cpu(layout, page_size, lens, heads, topk, splits, ds_scales, precision):
     pool, batch, qn, qp, reads, real = make_case(layout, page_size, lens, heads, topk)
-    out = run(pool, batch, qn, qp, precision, num_splits=splits)
+    kw = {} if ds_scales == "-" else dict(ds_scales=ds_scales)
+    out = run(pool, batch, qn, qp, precision, num_splits=splits, **kw)
     assert out.shape == qn.shape and out.dtype == qn.dtype
     err = rel_err(out, reference(qn, qp, real, reads, SM))
     assert err < TOL[precision], err
-    if precision == "fast":  # the e4m3 query and p do cost accuracy: the split terms are what buy it back
+    if precision == "fast" and ds_scales != "widen":  # the e4m3 query and p cost accuracy
         assert err > 2e-3, err
+    if precision == "fast" and ds_scales == "widen":  # bf16 query and p: far under the e4m3 paths
+        assert err < 4e-3, err
+
+
+@pytest.mark.parametrize("topk", [0, 96])
+def test_rows_kernel_cpu_widen_p_split(topk):
+    """ds_scales="widen": "accurate" (p as bf16 hi + lo) is closer to float64 than "fast" (one bf16
+    p), and both agree with the FP8 "groups" way within the e4m3 query's error."""
+    pool, batch, qn, qp, reads, real = make_case("fp8_ds_mla", 8, [130, 61], 24, topk, seed=13)
+    ref = reference(qn, qp, real, reads, SM)
+    fast = run(pool, batch, qn, qp, "fast", num_splits=2)
+    acc = run(pool, batch, qn, qp, "accurate", num_splits=2)
+    groups = run(pool, batch, qn, qp, "accurate", ds_scales="groups", num_splits=2)
+    assert rel_err(acc, ref) < rel_err(fast, ref) < 4e-3
+    assert rel_err(acc, groups.double()) < TOL["accurate"] * 2
 
 
 @pytest.mark.parametrize("precision", ["fast", "accurate"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_kernel_cpu_fp8_pv(layout, precision):
-    """P.V as an FP8 dot: p * 256 in e4m3 (accurate: split into two e4m3 terms), V as stored."""
+    """P.V as an FP8 dot: p * 256 in e4m3 (accurate: split into two e4m3 terms), V as stored (ds_mla:
+    the "groups" way; "widen" takes no pv)."""
     pool, batch, qn, qp, reads, real = make_case(layout, 4, [90], 16, topk=64, seed=5)
-    out = run(pool, batch, qn, qp, precision, pv="fp8")
+    kw = dict(ds_scales="groups") if layout == "fp8_ds_mla" else {}
+    out = run(pool, batch, qn, qp, precision, pv="fp8", **kw)
     assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
 
 
@@ -124,7 +144,7 @@ def test_rows_kernel_cpu_fp8_pv(layout, precision):
 def test_rows_kernel_cpu_query_quantized_in_kernel(precision):
     """q_pre=False: each program quantizes its query tile itself (no separate launch)."""
     pool, batch, qn, qp, reads, real = make_case("fp8_ds_mla", 16, [70], 20, seed=7)
-    out = run(pool, batch, qn, qp, precision, q_pre=False, num_splits=2)
+    out = run(pool, batch, qn, qp, precision, q_pre=False, num_splits=2, ds_scales="groups")
     assert rel_err(out, reference(qn, qp, real, reads, SM)) < TOL[precision]
 
 
@@ -152,6 +172,11 @@ def test_rows_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="page_size"):
         mla_decode_fp8_rows(qn, qp, pool.rows(0), sm_scale=SM, kv_layout="fp8_per_tensor",
                             kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices, kv_lens=batch.kv_lens)
+    with pytest.raises(ValueError, match="ds_scales"):
+        run(pool, batch, qn, qp, "fast", ds_scales="scores")
+    pool, batch, qn, qp, _, _ = make_case("fp8_ds_mla", 16, [20], 16)
+    with pytest.raises(ValueError, match="pv"):
+        run(pool, batch, qn, qp, "fast", pv="fp8")
 
 
 @pytest.mark.parametrize("name,precision", [("fp8_native.triton_rows", "fast"),
@@ -194,10 +219,13 @@ def test_rows_kernel_gpu(layout, page_size, lens, heads, topk, precision):
 @pytest.mark.parametrize("topk", [0, 1024])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_kernel_gpu_variants(layout, topk):
-    """P.V as an FP8 dot (p in e4m3; accurate: hi + lo terms) and 32-token tiles, with forced splits."""
+    """P.V as an FP8 dot (p in e4m3; accurate: hi + lo terms) and 32-token tiles, with forced splits;
+    ds_mla also the "groups" way at its own defaults."""
     pool, batch, qn, qp, reads, real = make_case(layout, 1 if topk else 64, [3000, 17], 64, topk=topk,
                                                  device="cuda")
     ref = reference(qn, qp, real, reads, SM)
+    ds = dict(ds_scales="groups") if layout == "fp8_ds_mla" else {}
+    variants = [dict(pv="fp8", **ds), dict(block_n=32, num_splits=7)] + ([ds] if ds else [])
     for precision in ("fast", "accurate"):
-        for kw in (dict(pv="fp8"), dict(block_n=32, num_splits=7)):
+        for kw in variants:
             assert rel_err(run(pool, batch, qn, qp, precision, **kw), ref) < TOL[precision], (precision, kw)
