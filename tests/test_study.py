@@ -181,3 +181,13 @@ def test_peers_rows_are_checked_or_say_why():
     assert ours.note == "" and 0 < ours.rel_err < 2e-2 and ours.device_ms > 0
     if importlib.util.find_spec("flashinfer") is None:
         assert df.iloc[4:].note.str.contains("flashinfer").all()
+
+
+def test_profiles_name_every_implementation_and_check_precision():
+    from labkit import profiles
+
+    impls = {r["impl"] for r in backends.capability_table()}
+    assert impls <= set(profiles.IMPLS) and "gluon" in profiles.IMPLS
+    assert profiles.resolve(None, {"impl": "gluon", "precision": "accurate"})["precision"] == "accurate"
+    with pytest.raises(ValueError, match=r"precision='exact'; allowed: \['fast', 'accurate'\]"):
+        profiles.resolve(None, {"precision": "exact"})
