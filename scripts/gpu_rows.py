@@ -1,7 +1,9 @@
 """The FP8 rows decode (``mla_decode_fp8_rows``) beside FlashInfer's MLA kernel (fa3, BF16 and FP8
 pools) at the issue's target shapes, dense and sparse, on one GPU: each call checked against a float64
 reference (rel. error), then timed by ``labkit.timing`` (CUDA-graph replays over rotating layers, and
-do_bench with L2 flushes). A table last; CSV and JSON under --out, rewritten after every row.
+do_bench with L2 flushes). fp8_ds_mla rows are timed both ways of applying their group scales
+(config "default": ds_scales="widen"; config "groups"). A table last; CSV and JSON under --out,
+rewritten after every row.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_rows.py --out DIR [--sweep]
 
@@ -40,13 +42,16 @@ TUNE = {  # launcher tuning the sweep tries, by name; "ds_" names run on the fp8
     "qreg": dict(q_pre=False), "cta2": dict(ctas_per_sm=2), "bh32": dict(block_h=32), "bh64": dict(block_h=64),
     "bn32_cta2": dict(block_n=32, ctas_per_sm=2), "cta3": dict(ctas_per_sm=3),
     "ds_bn16": dict(block_n=16), "ds_bn64": dict(block_n=64), "ds_cta2": dict(ctas_per_sm=2),
+    "ds_bn32": dict(block_n=32),  # ds names run ds_scales="widen" (the default) unless they say groups
+    "ds_groups_bn64": dict(ds_scales="groups", block_n=64),
 }
+DS_MODES = (("default", {}), ("groups", dict(ds_scales="groups")))  # both timed at every target shape
 SWEEP = {  # shape -> the tunings tried there (run 3: around the defaults chosen from run 2)
-    ("dense", 64, 64, 8192): ("bn32_cta2", "s3", "ds_bn16"),
-    ("dense", 128, 64, 8192): ("bn32_cta2", "qreg", "ds_cta2"),
+    ("dense", 64, 64, 8192): ("bn32_cta2", "s3", "ds_bn32"),
+    ("dense", 128, 64, 8192): ("bn32_cta2", "qreg", "ds_bn32", "ds_cta2"),
     ("dense", 64, 1, 8192): ("bn32",),
-    ("sparse", 16, 64, SPARSE_CTX): ("cta3", "bh64", "ds_bn16"),
-    ("sparse", 64, 64, SPARSE_CTX): ("s3", "bn32_cta2", "ds_bn16", "ds_cta2"),
+    ("sparse", 16, 64, SPARSE_CTX): ("cta3", "bh64", "ds_bn32"),
+    ("sparse", 64, 64, SPARSE_CTX): ("s3", "bn32_cta2", "ds_bn32", "ds_groups_bn64"),
 }
 
 
@@ -145,7 +150,7 @@ def splits_of(kind, layout, H, B, ctx, kw) -> int:
     from labkit.kernels import mla_decode_fp8_rows as R
 
     bh = kw.get("block_h") or (64 if H > 32 else max(16, 1 << (H - 1).bit_length()))
-    cfg = {**R.gpu_config(layout, bh), **kw}
+    cfg = {**R.gpu_config(layout, bh, kw.get("ds_scales", "widen")), **kw}
     want = math.floor(cfg["ctas_per_sm"] * 132 / (B * math.ceil(H / bh)))
     most = max(1, math.ceil(min(ctx, TOPK if kind == "sparse" else ctx) / (cfg["block_n"] * 4)))
     return int(max(1, min(want, most, 64)))
@@ -160,10 +165,13 @@ def warm_specs() -> list:
     for kind in ("dense", "sparse"):
         for layout in ("fp8_per_tensor", "fp8_ds_mla"):
             for prec in ("fast", "accurate"):
+                modes = DS_MODES if layout == "fp8_ds_mla" else DS_MODES[:1]
                 for H in (16, 64):
                     for splits in (1, 2):
-                        specs.add((kind, layout, H, prec, (), splits))
-                for kw in (dict(pv="fp8"), dict(block_n=32)):  # tests/test_rows_kernel.py's variants
+                        for _, mode in modes:
+                            specs.add((kind, layout, H, prec, tuple(mode.items()), splits))
+                groups = dict(DS_MODES[1][1]) if layout == "fp8_ds_mla" else {}
+                for kw in (dict(pv="fp8", **groups), dict(block_n=32)):  # tests/test_rows_kernel.py's variants
                     specs.add((kind, layout, 64, prec, tuple(sorted(kw.items())), 2))
     for (kind, H, B, ctx), names in SWEEP.items():
         for name in names:
@@ -340,10 +348,11 @@ def main():
         case, refs = Case(kind, H, B, ctx), {}
         layouts = ("fp8_per_tensor", "fp8_ds_mla")
         for layout in layouts:
-            for prec, tgt in (("fast", t_fast), ("accurate", t_acc)):
-                res["rows"].append(measure(case, "triton_rows", layout, prec, "default",
-                                           case.ours(layout, prec), refs, ceil.copy_gbps, tgt))
-                write(out, res)
+            for config, kw in (DS_MODES if layout == "fp8_ds_mla" else DS_MODES[:1]):
+                for prec, tgt in (("fast", t_fast), ("accurate", t_acc)):
+                    res["rows"].append(measure(case, "triton_rows", layout, prec, config,
+                                               case.ours(layout, prec, **kw), refs, ceil.copy_gbps, tgt))
+                    write(out, res)
         if peers:
             for layout, name in (("bf16", "flashinfer_bf16"), ("fp8_per_tensor", "flashinfer_fp8")):
                 res["rows"].append(measure(case, name, layout, "-", "fa3", case.flashinfer(layout), refs,
