@@ -35,8 +35,9 @@ Precision (constexpr):
 "fast" = Q_SPLIT 0 (PV 0: P_SPLIT 0); "accurate" = Q_SPLIT 1 and PV 1, or PV 0 with P_SPLIT 1.
 DS_W: the query is bf16 (one term: the e4m3 query's error is gone, so "fast" is as good as a 16-bit
 query) and p is bf16; "accurate" splits p into bf16 hi + lo (two P.V dots per group): on the CPU
-p's 8 bits set the error (2.0-2.2e-3 with one term, 1.7e-3 split, the bf16 output's floor), a
-split query changed nothing, so Q_SPLIT is 0 there (the kernel still takes it).
+p's 8 bits set the error (bf16 q: 2.0-2.2e-3 with one term, 1.7e-3 split, the bf16 output's floor;
+fp16 q: 1.5e-3 and 2.1e-4); splitting the query too (bf16 hi + lo) changed nothing for bf16 or
+fp16 queries, so Q_SPLIT is 0 there (the kernel still takes it).
 On the H200 PV 1 is the default for both (``gpu_config``): the FP8 P.V was 1.7-2.1x slower, since an
 FP8 wgmma reads V K-major and Triton transposes the FP8 tile through shared memory for it.
 """

@@ -129,6 +129,17 @@ def test_rows_kernel_cpu_widen_p_split(topk):
     assert rel_err(acc, groups.double()) < TOL["accurate"] * 2
 
 
+def test_rows_kernel_cpu_widen_fp16_query():
+    """ds_scales="widen" with fp16 queries (rounded to bf16 in the kernel) and an fp16 output."""
+    pool, batch, qn, qp, reads, real = make_case("fp8_ds_mla", 8, [150], 16, topk=96, seed=17)
+    qn, qp = qn.half(), qp.half()
+    ref = reference(qn, qp, real, reads, SM)
+    fast, acc = (run(pool, batch, qn, qp, prec) for prec in ("fast", "accurate"))
+    assert fast.dtype == torch.float16
+    err_fast, err_acc = rel_err(fast, ref), rel_err(acc, ref)
+    assert err_acc < 1e-3 and err_acc < err_fast < 4e-3, (err_fast, err_acc)
+
+
 @pytest.mark.parametrize("precision", ["fast", "accurate"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_kernel_cpu_fp8_pv(layout, precision):
