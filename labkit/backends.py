@@ -143,7 +143,6 @@ _UNAVAILABLE_PATH: dict[str, tuple] = {}  # name -> (path, impl) of a backend th
 def mark_unavailable(name: str, path: str, impl: str, reason: str) -> None:
     UNAVAILABLE[name] = reason
     _UNAVAILABLE_PATH[name] = (path, impl)
-_IMPL_ORDER = ("triton", "torch")  # what ``get(path)`` prefers
 
 
 def register(backend: Backend) -> Backend:
@@ -153,16 +152,23 @@ def register(backend: Backend) -> Backend:
 
 
 def get(name: str, device: str | torch.device | None = None) -> Backend:
-    """A backend by full name (``fp8_native.torch``) or by path (best implementation for ``device``)."""
+    """A backend by full name (``fp8_native.torch``) or by path: then the first implementation that
+    runs on ``device`` in the stated order of ``labkit.preferences`` (torch first on a CPU). With a
+    call at hand, ``select`` is better: it knows the shape, the precision and the measured table."""
+    from . import preferences
+
     _load_optional()
     if name in REGISTRY:
         return REGISTRY[name]
     if name in UNAVAILABLE:
         raise ValueError(f"backend {name!r} is not available here: {UNAVAILABLE[name]}")
     if name in PATHS:
-        for impl in _IMPL_ORDER:
+        cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        order = preferences.FALLBACK.get(name, ()) if cuda else preferences.CPU_ORDER
+        rest = [b.impl for b in REGISTRY.values() if b.path == name]
+        for impl in (*order, *rest):
             b = REGISTRY.get(f"{name}.{impl}")
-            if b and (device is None or torch.device(device).type == "cuda" or b.runs_on_cpu):
+            if b and b.impl != "flashinfer" and (cuda or b.runs_on_cpu):
                 return b
     raise ValueError(f"backend {name!r} is unknown; allowed: {sorted(REGISTRY) + list(PATHS)}")
 

@@ -23,7 +23,7 @@ from .config import DATA_DIR, KV_BYTES, LabParams, load_model
 from .kvpool import DecodeBatch, KVPool, batch_for_pool, make_queries, random_pool
 from .memory import extra_memory, predicted_extra_bytes
 from .profiling import CATEGORIES, profile_decode_step
-from .roofline import achieved
+from .roofline import achieved, mma_of
 from .stepmodel import predict, rest_from_seed
 from .timing import bench, graph_times, host_us
 
@@ -76,8 +76,9 @@ class Lab:
 
     def shape(self) -> dict:
         return dict(pool_tokens=self.pool.pool_tokens, batch_size=self.batch.batch_size,
-                    heads=self.q_nope.shape[1], tokens_read=self.batch.num_tokens,
-                    context_len=self.batch.max_len, kv_dtype=self.pool.kv_dtype)
+                    heads=self.q_nope.shape[1], tokens_read=self.batch.tokens_read,
+                    context_len=self.batch.max_len, kv_dtype=self.pool.kv_dtype, kv_layout=self.pool.kv_layout,
+                    topk=self.batch.topk)
 
     def summary(self) -> str:
         s, p = self.shape(), self.p
@@ -91,7 +92,7 @@ class Lab:
         pool = self.pool
         if pool_tokens is not None:
             pool = random_pool(1, pool_tokens, p.page_size, p.kv_dtype, c.kv_lora_rank, c.qk_rope_head_dim,
-                               device=p.device, seed=p.seed)
+                               device=p.device, seed=p.seed, kv_layout=self.pool.kv_layout)
         lens = list(lens) if lens is not None else p.lens
         batch = self.batch if pool is self.pool and lens == p.lens else batch_for_pool(pool, lens, p.seed)
         heads = heads or self.q_nope.shape[1]
@@ -167,9 +168,11 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
                p20_ms=t.p20_ms, p80_ms=t.p80_ms, device_ms=prof["total"], **_graph_and_host(lab, backend),
                **{f"{c}_ms": prof[c] for c in CATEGORIES}, cast_share=prof["cast"] / prof["total"], **s, **extra)
     if ceilings is not None:
-        row.update(achieved(backend.path, row["device_ms"], ceilings, pool_tokens=s["pool_tokens"],
-                            tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"], heads=s["heads"],
-                            batch=s["batch_size"]), copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops)
+        row.update(achieved(backend.path, row["device_ms"], ceilings, mma=mma_of(backend.name),
+                            pool_tokens=s["pool_tokens"], tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"],
+                            heads=s["heads"], batch=s["batch_size"], kv_layout=s["kv_layout"]),
+                   copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, fp8_tflops=ceilings.fp8_tflops,
+                   mma=mma_of(backend.name), precision=backend.precision)
     return row
 
 

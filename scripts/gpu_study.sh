@@ -16,7 +16,7 @@
 # without it load_runs and the report call its records partial (stages.log says which stage failed).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/lab-out}}
-stages=${STAGES:-bench notebooks tests kernels gluon}
+stages=${STAGES:-warm tests bench notebooks}
 cd "$(dirname "$0")/.."
 site=/tmp/site
 mkdir -p "$site" "$out"
@@ -40,12 +40,16 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log into the run folde
 exits=() failed=()
 for s in $stages; do
   case $s in
+    # compile the rows kernel's specializations and FlashInfer's modules in parallel (Triton's disk cache)
+    warm) stage warm "${T_warm:-150}" python3 scripts/gpu_rows.py --warm 12 --out "$run_dir/warm" ;;
     bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ;;
     notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
     tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
-             tests/test_study.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py ;;
+             tests/test_study.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
+             tests/test_indexer.py tests/test_sparse_paths.py tests/test_dsa.py ;;
+    rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
   esac

@@ -256,7 +256,9 @@ def test_triton_backends_registered_with_rules_as_data():
     assert backends.get("fp8_native.triton").min_capability == (8, 9)
     assert backends.get("fp8_native.triton").kv_dtypes == ("fp8_e4m3",)
     assert backends.get("bf16_pool.triton").kv_dtypes == ("bf16",)
-    assert backends.get("fp8_native").name == "fp8_native.triton"  # triton is preferred over torch
+    # by path: torch first on a CPU (the interpreter costs ms a program), the stated GPU order on a GPU
+    assert backends.get("fp8_native", device="cpu").name == "fp8_native.torch"
+    assert backends.get("fp8_native", device="cuda").name == "fp8_native.gluon"
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

@@ -24,7 +24,7 @@ def lab(tmp_path_factory):
 
 def test_lab_shape_and_cases(lab):
     assert lab.shape() == dict(pool_tokens=2048, batch_size=3, heads=8, tokens_read=169, context_len=97,
-                               kv_dtype="fp8_e4m3")
+                               kv_dtype="fp8_e4m3", kv_layout="fp8_per_tensor", topk=0)
     small = lab.case(pool_tokens=512)
     assert small.pool.num_layers == 1 and small.shape()["pool_tokens"] == 512 and small.batch.num_tokens == 169
     wide = lab.case(lens=[64] * 5, heads=32)
