@@ -193,4 +193,5 @@ for _name, _prec, _how in (("triton_rows", "fast", "e4m3 query, FP8 score dots, 
                      kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), precision=_prec, dense=True, sparse=True,
                      min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                      kernel=f"Triton mla_decode_fp8_rows: rows by id, {_how}",
-                     note="ds_mla group scales folded into the scores and into p per 128-column group"))
+                     note="fp8_ds_mla: each token's 4 power-of-two scales multiplied in while K/V widen to "
+                          "bf16 (exact), bf16 dots (ds_scales='groups': the FP8 dots with per-group scaling)"))
