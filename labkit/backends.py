@@ -135,6 +135,11 @@ class DecodePlan:
 _PLANS: dict[str, dict] = {}
 
 
+def clear_plans() -> None:
+    """Drop every cached plan (they hold their pools and scratch): between shapes of a sweep."""
+    _PLANS.clear()
+
+
 REGISTRY: dict[str, Backend] = {}
 UNAVAILABLE: dict[str, str] = {}  # name -> why it is not registered here
 _UNAVAILABLE_PATH: dict[str, tuple] = {}  # name -> (path, impl) of a backend that is not here

@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", nargs="*", default=None, help="provider labels to keep")
     ap.add_argument("--run-dir", default=None, help="write into this run folder (default: a new one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-shape", type=int, default=0, metavar="I",
+                    help="start at the grid's I-th shape (0-based): resume a run its time limit cut short")
     ap.add_argument("--write-select", action="store_true",
                     help="also write the preference table into data/select/<arch>.json (GPU runs)")
     args = ap.parse_args(argv)
@@ -240,8 +242,9 @@ def main(argv=None) -> int:
     provs = providers(device, args.providers)
     rows, path = [], None
     layers = 4 if device == "cuda" else 2
-    bar = tqdm(total=len(GRIDS[grid]) * len(provs), desc="bench", unit="run")
-    for shape in GRIDS[grid]:
+    shapes = GRIDS[grid][args.from_shape:]
+    bar = tqdm(total=len(shapes) * len(provs), desc="bench", unit="run")
+    for shape in shapes:
         for r in run_shape(shape, provs, device, ceilings, args.seed, bar, layers):
             rows.append(results.make_record(
                 r.pop("path", ""), r.pop("backend"), r.pop("impl", ""), r.pop("median_ms", float("nan")),
@@ -252,6 +255,7 @@ def main(argv=None) -> int:
         frame = pd.DataFrame(rows)
         path = (results.write_records(run_dir, rows, "bench") if path is None else
                 results.atomic_write_with(path, lambda tmp: frame.to_parquet(tmp, index=False)))
+        backends.clear_plans()  # cached plans hold this shape's pools
         if device == "cuda":
             torch.cuda.empty_cache()
     bar.close()

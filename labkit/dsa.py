@@ -295,6 +295,9 @@ def context_sweep(dl: DsaLab, contexts, batch_size: int, paths=SPARSE_PATHS, rep
                              dense_ms=step.dense_ms, step_ms=step.step_ms, tok_s=step.tok_s,
                              step_cast_share=step.cast_share, experiment="dsa_context_sweep", median_ms=t["total"]))
         del c, runs  # free this pool (on a GPU up to 8.4M tokens) before the next is drawn
+        backends.clear_plans()  # cached plans hold the pool too
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return pd.DataFrame(rows)
 
 

@@ -259,6 +259,8 @@ def sweep(lab: Lab, name: str, values, make_case, names: list[str], ceilings=Non
         case = make_case(lab, v)
         for n in names:
             rows.append(time_backend(case, backends.get(n), ceilings, experiment=name, swept=v))
+        del case
+        backends.clear_plans()  # cached plans hold the case's pool
     return pd.DataFrame(rows)
 
 

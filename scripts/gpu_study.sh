@@ -42,7 +42,7 @@ for s in $stages; do
   case $s in
     # compile the rows kernel's specializations and FlashInfer's modules in parallel (Triton's disk cache)
     warm) stage warm "${T_warm:-150}" python3 scripts/gpu_rows.py --warm 12 --out "$run_dir/warm" ;;
-    bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ;;
+    bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ${BENCH_ARGS:-} ;;
     notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
     tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
