@@ -253,12 +253,15 @@ def side_by_side(lab: Lab, paths=MAIN_PATHS + ("bf16_pool",), impl: str = "auto"
 
 
 def sweep(lab: Lab, name: str, values, make_case, names: list[str], ceilings=None) -> pd.DataFrame:
-    """Time each backend in ``names`` on ``make_case(lab, v)`` for every v, with a progress bar."""
+    """Time each backend in ``names`` on ``make_case(lab, v)`` for every v, with a progress bar. A
+    path name (``fp8_native``) is resolved by ``select`` at each point: the fastest implementation
+    whose rules allow that point (a kernel limited to 32 heads gives way at 64)."""
     rows = []
     for v in tqdm(values, desc=name, unit="point"):
         case = make_case(lab, v)
         for n in names:
-            rows.append(time_backend(case, backends.get(n), ceilings, experiment=name, swept=v))
+            b = backends.get(n) if "." in n else pick(n, "auto", case.device, "fast", case)
+            rows.append(time_backend(case, b, ceilings, experiment=name, swept=v))
         del case
         backends.clear_plans()  # cached plans hold the case's pool
     return pd.DataFrame(rows)
