@@ -25,12 +25,14 @@ def _run(cmd: list[str], cwd=None) -> str | None:
 
 
 def git_revision(repo: Path = REPO) -> str:
-    """``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it. Outside git (a copy
-    of the tree on a GPU machine) the revision the copy was made from, from ``$LAB_GIT_REV``, or
-    ``unknown``."""
+    """``$LAB_GIT_REV`` when set (a copy of the tree on a GPU machine, whose .git may be stale or
+    absent: the revision the copy was made from), else ``git rev-parse HEAD`` with ``+dirty`` when
+    tracked files differ from it, else ``unknown``."""
+    if os.environ.get("LAB_GIT_REV"):
+        return os.environ["LAB_GIT_REV"]
     rev = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     if rev is None:
-        return os.environ.get("LAB_GIT_REV") or "unknown"
+        return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return rev + ("+dirty" if dirty else "")
 

@@ -209,3 +209,13 @@ def test_load_runs_empty_has_the_state_columns(tmp_path):
 def test_committed_reference_runs_are_finished():
     df = results.load_runs(REPO / "data" / "reference")
     assert len(df) > 100 and df.run_finished.all(), df[~df.run_finished].run.unique()
+
+
+def test_git_revision_prefers_the_stated_one(monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git: the revision given with it wins."""
+    from labkit import envinfo
+
+    monkeypatch.setenv("LAB_GIT_REV", "abc1234")
+    assert envinfo.git_revision() == "abc1234"
+    monkeypatch.delenv("LAB_GIT_REV")
+    assert envinfo.git_revision() not in ("abc1234", "")
