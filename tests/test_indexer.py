@@ -76,19 +76,6 @@ def _assert_topk_equiv(slots, ref, batch, topk, tol):
         assert not (must_out & set(row)), "a token clearly below the k-th logit was selected"
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every floating tensor allocated with torch.empty starts as NaN."""
-    real = torch.empty
-
-    def nan_empty(*a, **k):
-        t = real(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
 
 # -- the cache ---------------------------------------------------------------------------------
 def test_index_cache_layout_bytes():

@@ -30,16 +30,8 @@ BACKENDS = {  # layout -> the CPU backends that read it, for sparse batches
 
 
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    real = torch.empty
-
-    def nan_empty(*a, **k):
-        t = real(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
+def _poison(poisoned):
+    """Every test here runs with NaN-filled torch.empty (tests/conftest.py)."""
 
 
 def _sparse_case(layout, page_size, lens, topk, heads=8, seed=0, layers=2):
