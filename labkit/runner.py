@@ -198,9 +198,20 @@ def export_html(notebook: Path) -> Path:
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
-                           extra_template_basedirs=[os.getcwd(), *map(str, template_dirs())]  # cwd: the default
-                           ).from_notebook_node(nbformat.read(notebook, as_version=4))
+    found = template_dirs()
+    # the templates' own share/jupyter on Jupyter's data path too: "lab" includes "base/null.j2",
+    # which nbconvert looks up under the data path's nbconvert/templates roots, not the base dirs
+    saved = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join([*(str(t.parent.parent) for t in found), *filter(None, [saved])])
+    try:
+        body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
+                               extra_template_basedirs=[os.getcwd(), *map(str, found)]  # cwd: the default
+                               ).from_notebook_node(nbformat.read(notebook, as_version=4))
+    finally:
+        if saved is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = saved
     return atomic_write_text(notebook.with_suffix(".html"), body)
 
 

@@ -247,7 +247,14 @@ def test_export_html_finds_the_templates_of_a_target_install(tmp_path, monkeypat
     real = runner.template_dirs()[0]
     fake = _fake_layout(tmp_path, None)
     shutil.copytree(real, tmp_path / "site/share/jupyter/nbconvert/templates")
-    monkeypatch.setattr(templateexporter, "jupyter_path", lambda *a: [str(tmp_path / "empty")])
+    def data_path(*sub):  # Jupyter's data path as on that machine: $JUPYTER_PATH only, no install prefix
+        roots = [r for r in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if r] or [str(tmp_path / "empty")]
+        return [os.path.join(r, *sub) for r in roots]
+
+    monkeypatch.setattr(templateexporter, "jupyter_path", data_path)
+    # and the template roots nbconvert read at import time: none there either ("base/null.j2")
+    trait = templateexporter.TemplateExporter.class_traits()["template_data_paths"]
+    monkeypatch.setattr(trait, "default_value", [str(tmp_path / "empty")])
     monkeypatch.setattr(nbconvert, "__file__", str(fake))
     nb = tmp_path / "run" / "04_report.ipynb"
     nb.parent.mkdir()
