@@ -20,9 +20,11 @@ import torch
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from . import backends, config, kvlayout, reference, study
+from . import backends, config, kvlayout, measure, plots, reference
 from .indexer import Indexer, select_tokens
 from .kvpool import DecodeBatch, batch_for_pool, make_queries, random_pool
+from .lab import Lab, run_folder
+from .lab import pick as pick_for_lab
 from .profiling import DSA_CATEGORIES, profile_work
 from .stepmodel import rest_from_seed, tokens_per_s
 
@@ -33,20 +35,20 @@ MEMORY_SHARE = 0.5  # of the device's memory for the measured pool: room for a B
 
 @dataclass
 class DsaLab:
-    """A ``study.Lab`` (pool of the measured layers, dense batch, MLA queries) with an indexer.
+    """A ``labkit.lab.Lab`` (pool of the measured layers, dense batch, MLA queries) with an indexer.
 
     sparse: the batch with the indexer's slots of every measured layer, int32 [layers, B, topk]
     index_impl: the indexer's logits implementation ("torch", "triton", "reference")
     impl, precision: how each path's backend is picked (``pick``)
     """
 
-    lab: study.Lab
+    lab: Lab
     indexer: Indexer
     sparse: DecodeBatch
     index_impl: str
     impl: str = "auto"
     precision: str = "fast"
-    bf16_lab: study.Lab | None = field(default=None, repr=False)  # layer 0 in BF16, made once (on_pool)
+    bf16_lab: Lab | None = field(default=None, repr=False)  # layer 0 in BF16, made once (on_pool)
 
     @property
     def p(self) -> config.LabParams:
@@ -103,14 +105,14 @@ def build(p: config.LabParams, index_topk: int | None = None, index_n_heads: int
     kv_layout = p.kv_layout
     cfg = model_cfg(p.model, index_topk, index_n_heads)
     if p.device == "cpu":
-        torch.set_num_threads(1)  # as study.Lab: another process on a core stalls multi-threaded ops
+        torch.set_num_threads(1)  # as labkit.lab.Lab: another process on a core stalls multi-threaded ops
     layers = fit_layers(p.layers, p.pool_tokens, kv_layout, cfg.index_head_dim, p.device)
-    lab = study.Lab(p, None, None, None, None, study.run_folder(run_dir), warmup_ms, rep_ms)
+    lab = Lab(p, None, None, None, None, run_folder(run_dir), warmup_ms, rep_ms)
     dl = _assemble(lab, cfg, index_impl(impl, p.device), layers, p.pool_tokens, p.lens, kv_layout)
     return replace(dl, impl=impl, precision=precision)
 
 
-def _assemble(lab: study.Lab, cfg: config.ModelConfig, impl: str, layers: int, pool_tokens: int, lens,
+def _assemble(lab: Lab, cfg: config.ModelConfig, impl: str, layers: int, pool_tokens: int, lens,
               kv_layout: str) -> DsaLab:
     """``lab`` with a new pool, dense batch, queries and indexer."""
     p = lab.p
@@ -132,7 +134,7 @@ def case(dl: DsaLab, batch_size: int, context: int) -> DsaLab:
 
 
 # -- the step -----------------------------------------------------------------------------------------
-def on_pool(dl: DsaLab, path: str) -> study.Lab:
+def on_pool(dl: DsaLab, path: str) -> Lab:
     """The lab a path reads: ``bf16_pool`` gets layer 0 of the pool in BF16 (one layer, made once)."""
     if path != "bf16_pool" or dl.lab.pool.kv_layout == "bf16":
         return dl.lab
@@ -142,12 +144,12 @@ def on_pool(dl: DsaLab, path: str) -> study.Lab:
 
 
 def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
-    """The backend of ``path`` for the sparse batch: ``study.pick`` (``auto``: ``backends.select`` at
+    """The backend of ``path`` for the sparse batch: ``labkit.lab.pick`` (``auto``: ``backends.select`` at
     ``dl.precision``) or, when a named one refuses this sparse batch or layout, the first of its family
     that takes them, accurate ones first: e.g. ``fp8_native.triton`` is dense only,
     ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
     lab = on_pool(dl, path)
-    first = study.pick(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(lab, batch=dl.sparse))
+    first = pick_for_lab(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(lab, batch=dl.sparse))
     family = [backends.get(n) for n in backends.names(path) if n.split(".", 1)[1].startswith(first.impl)]
     family.sort(key=lambda b: b.precision != "accurate")
     refusal = None
@@ -219,12 +221,12 @@ def dense_layer(dl: DsaLab, backend: backends.Backend, repeats: int = 3) -> pd.D
     """One dense MLA layer (GLM-5's first layers: no indexer) through ``backend`` on the same contexts,
     by category (``CATEGORIES`` and total), median of ``repeats``."""
     lab = on_pool(dl, backend.path)
-    df = study.profile_step(lab, backend, layers=[0], repeats=repeats)
+    df = measure.profile_step(lab, backend, layers=[0], repeats=repeats)
     return df.assign(ms_per_layer=df.device_ms, **_labels(dl, backend), mode="dense")
 
 
 # -- the paths, dense and sparse, against the oracle ----------------------------------------------------
-def oracle(lab: study.Lab, batch: DecodeBatch, layer: int = 0) -> torch.Tensor:
+def oracle(lab: Lab, batch: DecodeBatch, layer: int = 0) -> torch.Tensor:
     """float64 MLA over only the rows ``batch`` reads of ``layer`` (dense: its pages; sparse: the
     slots of that layer), dequantized: out [B, H, 512] float64. Never the whole layer in float64."""
     pool = lab.pool
@@ -250,7 +252,7 @@ def dense_and_sparse(dl: DsaLab, paths=SPARSE_PATHS) -> pd.DataFrame:
         for mode, batch in (("dense", dl.sparse.with_slots(None)), ("sparse", dl.sparse)):
             lab = replace(on_pool(dl, path), batch=batch)
             err = reference.rel_err(lab.decode(b), oracle(lab, batch))
-            row = study.time_backend(lab, b, None, rel_err=err, experiment="dense_vs_sparse", mode=mode)
+            row = measure.time_backend(lab, b, None, rel_err=err, experiment="dense_vs_sparse", mode=mode)
             rows.append({**row, **_labels(dl, b), "topk": batch.topk, "tokens_read": batch.tokens_read})
     return pd.DataFrame(rows)
 
@@ -353,7 +355,7 @@ def peers(dl: DsaLab) -> pd.DataFrame:
             continue
         try:
             err = reference.rel_err(lab.decode(b), oracle(lab, dl.sparse))
-            row = study.time_backend(lab, b, None, rel_err=err, experiment="dsa_peers")
+            row = measure.time_backend(lab, b, None, rel_err=err, experiment="dsa_peers")
         except RuntimeError as e:
             rows.append(dict(label=label, backend=name, note=f"failed: {type(e).__name__}: {str(e)[:300]}"))
             continue
@@ -366,7 +368,7 @@ def plot_step_profile(profiles: pd.DataFrame, ax=None):
     """Stacked bars: ms per DSA layer by category, one bar per backend."""
     from .plots import CATEGORY_COLORS
 
-    ax = study._axes(ax, (6.5, 3.6))
+    ax = plots._axes(ax, (6.5, 3.6))
     colors = {"index": "tab:green", "topk": "tab:olive", **CATEGORY_COLORS}
     t = profiles[profiles.category != "total"].pivot_table(index="backend", columns="category",
                                                            values="ms_per_layer", sort=False)
@@ -384,7 +386,7 @@ def plot_dense_sparse(rows: pd.DataFrame, ax=None):
     """Device time per layer of each path, dense beside sparse (top-k), rel_err in the labels."""
     import numpy as np
 
-    ax = study._axes(ax)
+    ax = plots._axes(ax, plots.FIG_SIZE)
     t = rows.pivot_table(index="path", columns="mode", values="device_ms", sort=False) * 1e3
     x = np.arange(len(t))
     for j, mode in enumerate(("dense", "sparse")):
@@ -397,7 +399,7 @@ def plot_dense_sparse(rows: pd.DataFrame, ax=None):
 
 def plot_context_sweep(sw: pd.DataFrame, ax=None):
     """ms per DSA layer against context: each path's total, and full_pool_cast's cast and attention."""
-    ax = study._axes(ax)
+    ax = plots._axes(ax, plots.FIG_SIZE)
     for path, g in sw.sort_values("context_len").groupby("path", sort=False):
         ax.plot(g.context_len, g.total_ms, "o-", ms=3, label=f"{path} (layer)")
     f = sw[sw.path == "full_pool_cast"].sort_values("context_len")
@@ -412,7 +414,7 @@ def plot_context_sweep(sw: pd.DataFrame, ax=None):
 
 def plot_tok_s(steps: pd.DataFrame, ax=None):
     """Modelled tok/s per path of the DSA step, with the cast's share of the step in the labels."""
-    ax = study._axes(ax)
+    ax = plots._axes(ax, plots.FIG_SIZE)
     ax.bar(steps.path, steps.tok_s, color="tab:blue")
     for x, (v, c) in enumerate(zip(steps.tok_s, steps.cast_share)):
         ax.annotate(f"{v:,.1f}\n(cast {c:.0%})", (x, v), ha="center", va="bottom", fontsize=8)
@@ -424,7 +426,7 @@ def plot_tok_s(steps: pd.DataFrame, ax=None):
 
 def plot_tok_s_vs_context(sw: pd.DataFrame, ax=None):
     """Modelled tok/s of the DSA step per path against context length (the sweep's batch)."""
-    ax = study._axes(ax)
+    ax = plots._axes(ax, plots.FIG_SIZE)
     for path, g in sw.sort_values("context_len").groupby("path", sort=False):
         ax.plot(g.context_len, g.tok_s, "o-", ms=3, label=path)
     ax.set(xscale="log", yscale="log", xlabel="tokens per request", ylabel="tokens/s (modelled step)",

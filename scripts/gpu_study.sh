@@ -47,7 +47,7 @@ for s in $stages; do
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
     tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
-             tests/test_study.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
+             tests/test_lab.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
              tests/test_indexer.py tests/test_sparse_paths.py tests/test_dsa.py ;;
     rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;

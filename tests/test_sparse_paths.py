@@ -243,17 +243,17 @@ def test_lab_params_kv_layout(monkeypatch):
 
 
 def test_lab_builds_the_layout_and_its_bf16_copy(tmp_path):
-    from labkit import study
+    from labkit.lab import Lab, oracle
 
     p = config.LabParams.make(num_layers=1, pool_tokens=512, page_size=16, batch_size=2, context_lens=60,
                               device="cpu", kv_layout="fp8_ds_mla")
-    lab = study.Lab.build(p, tmp_path)
+    lab = Lab.build(p, tmp_path)
     assert lab.pool.kv_layout == "fp8_ds_mla" and lab.pool.kv_buffer.shape[-1] == 656
     on = lab.bf16()
     assert on.pool.kv_layout == "bf16"
     torch.testing.assert_close(on.pool.layer(0).float(), lab.pool.dequant(0), rtol=0, atol=0)
     out = on.decode(backends.get("bf16_pool.torch"))
-    assert reference.rel_err(out, study.oracle(lab)) < TOL
+    assert reference.rel_err(out, oracle(lab)) < TOL
 
 
 @pytest.mark.gpu

@@ -1,0 +1,59 @@
+"""Tables from recorded rows: one path's speedup over another, where it stops paying, our fastest
+FP8-native kernel, the decode step."""
+from __future__ import annotations
+
+import pandas as pd
+
+from .config import load_model
+from .lab import MAIN_PATHS, records_of
+from .stepmodel import predict, rest_from_seed
+
+
+def speedup(df: pd.DataFrame, x: str, base: str = "full_pool_cast", new: str = "gather_cast",
+            value: str = "device_ms") -> pd.DataFrame:
+    """``value`` (default: the kernels' device time) of two paths per value of ``x``, and base / new."""
+    t = df.pivot_table(index=x, columns="path", values=value)[[base, new]]
+    return t.assign(speedup=t[base] / t[new]).reset_index()
+
+
+def break_even(sp: pd.DataFrame, x: str = "read_fraction"):
+    """The smallest ``x`` at which the speedup is 1 or less; None if it pays everywhere swept."""
+    lost = sp[sp.speedup <= 1]
+    return None if lost.empty else float(lost[x].min())
+
+
+def fastest_fp8_native(records: pd.DataFrame, value: str = "device_ms") -> pd.Series:
+    """The record of the fastest of our ``fp8_native`` kernels (peers left out): the minimum of
+    ``value`` over those records; what notebook 03 reports."""
+    ours = records[(records.path == "fp8_native") & (records.impl != "flashinfer") & records[value].notna()]
+    if ours.empty:
+        raise ValueError(f"no fp8_native records with {value!r} among {len(records)} records")
+    return ours.iloc[int(ours[value].to_numpy().argmin())]  # by position: concatenated records repeat labels
+
+
+# -- the report: from recorded runs to a decode step ------------------------------------------------
+SEED_TOK_S = {"full_pool_cast": 10.5, "gather_cast": 13.5}  # the study's single stream
+
+
+def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
+    """Decode step and tok/s per path and run from the recorded side-by-side (``paths`` rows).
+
+    step = model layers x (path ms - bf16_pool ms) + rest: what each path adds to a BF16 kernel
+    on a BF16 pool, with the rest of the step (the attention kernel included) from the seed. ms is
+    the kernels' device time (a server replays decode as a CUDA graph: no launch cost).
+    Without a bf16_pool row the path's whole time counts (an upper bound on the step).
+    """
+    rest = rest_from_seed() if rest_ms is None else rest_ms
+    tables, paths_rows = [], records_of(df, "paths")
+    for run, d in (paths_rows.groupby("run") if len(paths_rows) else []):
+        d = d.sort_values("env_timestamp").groupby("path").last()
+        ms = d.device_ms if "device_ms" in d else d.median_ms
+        base = ms.get("bf16_pool", 0.0)
+        layers = load_model(d.model.iloc[0]).num_hidden_layers
+        paths = [p for p in MAIN_PATHS if p in d.index]
+        t = predict({p: ms[p] - base for p in paths}, layers, rest)
+        tables.append(t.assign(run=run, device=d.env_device_name.iloc[0], ms_per_layer=ms[paths].values,
+                               layers=layers, rest_ms=rest, seed_tok_s=[SEED_TOK_S.get(p) for p in paths],
+                               rel_err=d.rel_err[paths].values))
+    cols = ["run", "device", "path", "ms_per_layer", "layers", "rest_ms", "step_ms", "tok_s", "seed_tok_s", "rel_err"]
+    return pd.concat(tables)[cols].reset_index(drop=True) if tables else pd.DataFrame(columns=cols)
