@@ -12,6 +12,8 @@ Pieces:
 - ``open_browser()``: Playwright driving that Chromium (never ``playwright install``).
 - ``run_notebook_in_lab()``: open one notebook, wait for its kernel, menu Run -> Run All Cells, wait
   until done, read the outputs shown (errors, stderr, plots), optionally save a full-page screenshot.
+- ``open_notebook_in_lab()``: open an executed notebook without running it and read the same from
+  its stored outputs.
 """
 from __future__ import annotations
 
@@ -389,6 +391,33 @@ def run_notebook_in_lab(page, server: LabServer, rel_path: str, timeout: float =
     page.wait_for_timeout(500)  # let the last outputs and images settle, then check it still holds
     st = _wait(page, done, timeout, f"Run All Cells of {rel_path} to finish")
     run.seconds = time.monotonic() - t0
+    return _read_outputs(page, run, st, screenshot, width, max_height)
+
+
+def open_notebook_in_lab(page, server: LabServer, rel_path: str, timeout: float = 120.0,
+                         screenshot: str | os.PathLike | None = None, width: int = 1280,
+                         max_height: int = 16000) -> NotebookRun:
+    """Open ``rel_path`` (an executed notebook) without running it and read what it shows from its
+    stored outputs: execution numbers, errors, stderr and plots, as ``run_notebook_in_lab`` does."""
+    local = server.root_dir / rel_path
+    run = NotebookRun(name=rel_path, expected=runnable_cells(local))
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(f"{server.url}/lab/tree/{urllib.parse.quote(rel_path)}?reset", wait_until="domcontentloaded")
+    t0 = time.monotonic()
+
+    def shown(s) -> bool:  # every stored prompt rendered and the kernel up (or a dialog)
+        numbered = sum(1 for p in s["prompts"] if re.search(r"\[\d+\]", p))
+        return bool(s["dialog"]) or (_kernel_idle(s) and numbered >= run.expected)
+
+    try:
+        st = _wait(page, shown, timeout, f"{rel_path} to render its stored outputs")
+    except TimeoutError:
+        st = _state(page)  # read what is there: the checks name what is missing
+    run.seconds = time.monotonic() - t0
+    return _read_outputs(page, run, st, screenshot, width, max_height)
+
+
+def _read_outputs(page, run: NotebookRun, st: dict, screenshot, width: int, max_height: int) -> NotebookRun:
     run.done = True
     run.dialog = st["dialog"]
     # images load from data: URLs; give them a moment to decode before reading their sizes
@@ -432,8 +461,17 @@ def run_notebook_safely(page, server: LabServer, rel_path: str, timeout: float =
                         screenshot=None, **kw) -> NotebookRun:
     """``run_notebook_in_lab``, but a failure to drive the page (a timeout, a crash) comes back as
     ``failure`` with a screenshot of the page as it was, instead of an exception."""
+    return _safely(run_notebook_in_lab, page, server, rel_path, timeout=timeout, screenshot=screenshot, **kw)
+
+
+def open_notebook_safely(page, server: LabServer, rel_path: str, screenshot=None, **kw) -> NotebookRun:
+    """``open_notebook_in_lab``, a failure to drive the page coming back as ``failure``."""
+    return _safely(open_notebook_in_lab, page, server, rel_path, screenshot=screenshot, **kw)
+
+
+def _safely(fn, page, server, rel_path, screenshot=None, **kw) -> NotebookRun:
     try:
-        return run_notebook_in_lab(page, server, rel_path, timeout=timeout, screenshot=screenshot, **kw)
+        return fn(page, server, rel_path, screenshot=screenshot, **kw)
     except Exception as e:  # noqa: BLE001  (reported, with the page as it was)
         run = NotebookRun(name=rel_path, failure=f"{type(e).__name__}: {e}")
         if screenshot is not None:

@@ -1,11 +1,14 @@
 """The notebooks as a user meets them: JupyterLab from the project's venv, headless Chromium.
 
-One server (127.0.0.1, a free port, no token, root = a temporary copy of notebooks/ with stored
-outputs dropped) and one browser for the module. Each notebook is opened in turn, run with the
-menu Run -> Run All Cells, and checked for what the page shows: no error output (stderr warnings
-are fine, tracebacks are not) and, in notebooks whose code plots, at least one PNG plot with a
-nonzero size. Full-notebook screenshots, the notebooks' own records and figures
-(``LABKIT_RUN_DIR``) and a ``browser.json`` summary go to ``data/runs/<time>-browser/``.
+One server (127.0.0.1, a free port, no token) and one browser for the module. Its root holds
+``RUN_WHOLE`` as committed (outputs dropped), each run with the menu Run -> Run All Cells, and the
+other notebooks as `labkit run` executed them for tests/test_notebooks.py (conftest's
+``notebook_run``), opened without running: every notebook runs once per check, not once per check
+and mode. Each is checked for what the page shows: every code cell numbered, no error output
+(stderr warnings are fine, tracebacks are not) and, in notebooks whose code plots, at least one PNG
+plot with a nonzero size. Full-notebook screenshots, the run notebooks' own records and figures
+(``LABKIT_RUN_DIR``) and a ``browser.json`` summary go to a temporary folder (or to
+``$LABKIT_RUN_DIR`` when set), printed on the terminal; never into ``data/``.
 
 Skips, with the reason, only when Chromium is missing or does not launch (or the ``playwright``
 package is missing); ``LABKIT_REQUIRE_BROWSER=1`` turns that skip into a failure.
@@ -19,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from labkit import runner
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO / "notebooks"
 NOTEBOOKS = runner.notebooks()  # in run order: the report last
+RUN_WHOLE = ("00_setup", "05_sparse_decode")  # run from the UI; the others are opened, as executed
 TIMEOUT_S = float(os.environ.get("LABKIT_BROWSER_TIMEOUT", "600"))
 
 pytestmark = pytest.mark.browser
@@ -42,12 +45,11 @@ def _unavailable(reason: str):
     pytest.skip(f"browser tests skipped: {reason}")
 
 
-def _run_dir() -> Path:
-    try:
-        from labkit.results import new_run_dir
-    except ImportError:
-        return Path(tempfile.mkdtemp(prefix="labkit-browser-run-"))
-    return new_run_dir(tag="browser")
+def _run_dir(tmp: Path) -> Path:
+    """$LABKIT_RUN_DIR when set, else ``tmp``: tests never write into data/."""
+    run_dir = Path(os.environ.get("LABKIT_RUN_DIR") or tmp)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 def _say(request, line: str, end: str = "") -> None:
@@ -94,14 +96,21 @@ def _write_selfcheck(path: Path) -> None:
     nbformat.write(nb, str(path))
 
 
+def _whole(nb: Path) -> bool:
+    return nb.stem in RUN_WHOLE
+
+
 @pytest.fixture(scope="module")
-def lab_server(tmp_path_factory):
-    """One JupyterLab for the module; root: a copy of notebooks/ (outputs dropped) + the self-check.
-    Its kernels record into a new run folder (``LABKIT_RUN_DIR``), beside the screenshots."""
+def lab_server(tmp_path_factory, notebook_run):
+    """One JupyterLab for the module; root: RUN_WHOLE as committed (outputs dropped), the others as
+    executed by `labkit run`, and the self-check. Its kernels record into the run folder
+    (``LABKIT_RUN_DIR``), beside the screenshots."""
     tmp = tmp_path_factory.mktemp("lab")
-    lb.copy_notebooks(NOTEBOOKS, tmp / "root")
+    lb.copy_notebooks([nb for nb in NOTEBOOKS if _whole(nb)], tmp / "root")
+    executed = [notebook_run[0] / nb.name for nb in NOTEBOOKS if not _whole(nb)]
+    lb.copy_notebooks(executed, tmp / "root", strip_outputs=False)
     _write_selfcheck(tmp / "root" / SELFCHECK)
-    run_dir = _run_dir()
+    run_dir = _run_dir(tmp / "run")
     with lb.LabServer(tmp / "root", state_dir=tmp / "state", env={"LABKIT_RUN_DIR": str(run_dir)}) as server:
         server.run_dir = run_dir
         yield server
@@ -109,7 +118,7 @@ def lab_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lab_runs(chromium, lab_server, request):
-    """Every notebook run once from the UI, in order (04, last, reports on what the others recorded)."""
+    """RUN_WHOLE run from the UI, the others opened with their stored outputs, in order."""
     if not NOTEBOOKS:
         pytest.skip(f"no notebooks in {NOTEBOOK_DIR}")
     run_dir = lab_server.run_dir
@@ -119,11 +128,15 @@ def lab_runs(chromium, lab_server, request):
     page = chromium.new_page()
     try:
         for nb in NOTEBOOKS:
-            r = lb.run_notebook_safely(page, lab_server, nb.name, timeout=TIMEOUT_S,
-                                       screenshot=run_dir / lb.screenshot_name(nb))
+            shot = run_dir / lb.screenshot_name(nb)
+            if _whole(nb):
+                r = lb.run_notebook_safely(page, lab_server, nb.name, timeout=TIMEOUT_S, screenshot=shot)
+            else:
+                r = lb.open_notebook_safely(page, lab_server, nb.name, screenshot=shot)
             lab_server.shutdown_kernels()
             runs[nb.name] = r
-            _say(request, f"  {nb.name}: {r.seconds:.1f} s, {r.numbered}/{r.expected} cells, "
+            _say(request, f"  {nb.name} ({'run' if _whole(nb) else 'opened'}): {r.seconds:.1f} s, "
+                          f"{r.numbered}/{r.expected} cells, "
                           f"{len(r.errors)} errors, {len(r.warnings)} stderr, {r.plots} plots")
     finally:
         page.close()

@@ -7,13 +7,9 @@ import sys
 import nbformat
 import pytest
 
-from labkit import results, runner
+from labkit import runner
 
 TOL_DEQUANT = 4e-3  # bf16 output against the float64 oracle (see test_paths.py)
-# not the defaults: an odd batch (uneven, not page multiples), 8 heads, page size 32, one layer
-OVERRIDES = dict(num_layers=1, tp_size=2, pool_tokens=4096, page_size=32, batch_size=3, context_lens=[100, 300, 65],
-                 warmup_ms=2, rep_ms=10, pool_sweep=[1024, 32768], batch_sweep=[1, 12], heads_sweep=[4, 64],
-                 context_sweep=[33, 500], sweep_batch=2, sweep_context=200, sparse_contexts=[64, 300], sparse_batch=2)
 
 
 def test_committed_notebooks_are_clean():
@@ -35,11 +31,10 @@ def test_notebooks_as_committed_pass_nbval(tmp_path):
     assert len(list(tmp_path.glob("*.parquet"))) >= 5
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    plan = runner.plan(profile="cpu-small", overrides=OVERRIDES)
-    run_dir = runner.execute(plan, base=tmp_path_factory.mktemp("runs"), progress=False, log=lambda msg: None)
-    return run_dir, results.load_runs(run_dir)
+@pytest.fixture
+def run(notebook_run):
+    """The notebooks run by `labkit run` at conftest's NOTEBOOK_OVERRIDES (shared with the browser test)."""
+    return notebook_run
 
 
 def _file(df, name):
