@@ -1,5 +1,9 @@
 """Fixtures the test files share."""
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +45,48 @@ def poisoned(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+# -- nbval on the committed notebooks, started in the background as the session begins ------------
+# Its notebooks run in a child process on the second core while the rest of the suite runs here;
+# tests/test_notebooks.py waits for it and asserts on its result.
+NBVAL_TEST = "test_notebooks_as_committed_pass_nbval"
+_nbval = {}
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or not any(i.name == NBVAL_TEST for i in session.items):
+        return
+    from labkit import runner
+
+    tmp = tempfile.TemporaryDirectory(prefix="labkit-nbval-")
+    run_dir, log = Path(tmp.name) / "run", Path(tmp.name) / "nbval.log"
+    run_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # inline figures, as in Jupyter
+    env["LABKIT_RUN_DIR"] = str(run_dir)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
+                                 "-p", "no:randomly", str(runner.NOTEBOOKS_DIR)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    _nbval.update(tmp=tmp, proc=proc, run_dir=run_dir, log=log)
+
+
+def pytest_sessionfinish(session):
+    if _nbval:
+        if _nbval["proc"].poll() is None:
+            _nbval["proc"].kill()
+            _nbval["proc"].wait()
+        _nbval["tmp"].cleanup()
+
+
+@pytest.fixture
+def nbval_result():
+    """(exit code, output tail, run folder) of the background nbval run, once it has ended."""
+    if not _nbval:
+        pytest.fail(f"nbval was not started: pytest_collection_finish starts it when {NBVAL_TEST} is collected")
+    try:
+        code = _nbval["proc"].wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        _nbval["proc"].kill()
+        code = "timeout (600 s)"
+    return code, _nbval["log"].read_text()[-4000:], _nbval["run_dir"]

@@ -1,8 +1,5 @@
 """The notebooks: as committed under nbval, and run by `labkit run` with other parameters into a
 temporary folder, asserting on what they recorded (papermill-in-pytest)."""
-import os
-import subprocess
-import sys
 
 import nbformat
 import pytest
@@ -22,13 +19,11 @@ def test_committed_notebooks_are_clean():
 
 
 @pytest.mark.notebooks
-def test_notebooks_as_committed_pass_nbval(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # inline figures, as in Jupyter
-    env["LABKIT_RUN_DIR"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
-                        str(runner.NOTEBOOKS_DIR)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert len(list(tmp_path.glob("*.parquet"))) >= 5
+def test_notebooks_as_committed_pass_nbval(nbval_result):
+    """`pytest --nbval-lax notebooks/` at the committed defaults (conftest starts it in the background)."""
+    code, tail, run_dir = nbval_result
+    assert code == 0, tail
+    assert len(list(run_dir.glob("*.parquet"))) >= 5
 
 
 @pytest.fixture
