@@ -1,4 +1,5 @@
 """Fixtures the test files share."""
+import json
 import os
 import subprocess
 import sys
@@ -23,13 +24,15 @@ NOTEBOOK_OVERRIDES = dict(
 
 
 @pytest.fixture(scope="session")
-def notebook_run(tmp_path_factory):
-    """(run folder, its records): every notebook run once by `labkit run` into a temporary folder.
-    tests/test_notebooks.py asserts on the records; tests/test_browser.py opens the executed notebooks."""
-    from labkit import results, runner
+def notebook_run():
+    """(run folder, its records): every notebook run once by `labkit run` (started in the background
+    when the session begins) into a temporary folder. tests/test_notebooks.py asserts on the records;
+    tests/test_browser.py opens the executed notebooks."""
+    from labkit import results
 
-    plan = runner.plan(profile="cpu-small", overrides=NOTEBOOK_OVERRIDES)
-    run_dir = runner.execute(plan, base=tmp_path_factory.mktemp("runs"), progress=False, log=lambda msg: None)
+    code, tail, out = _finished("labkit run")
+    assert code == 0, f"labkit run {' '.join(_labkit_run_args())} failed:\n{tail}"
+    (run_dir,) = out.iterdir()
     return run_dir, results.load_runs(run_dir)
 
 
@@ -47,46 +50,77 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
-# -- nbval on the committed notebooks, started in the background as the session begins ------------
-# Its notebooks run in a child process on the second core while the rest of the suite runs here;
-# tests/test_notebooks.py waits for it and asserts on its result.
+# -- the notebook runs, started in the background as the session begins ---------------------------
+# Both run their notebooks in child processes (mostly on the second core) while the rest of the
+# suite runs here; the fixtures wait for them.
 NBVAL_TEST = "test_notebooks_as_committed_pass_nbval"
-_nbval = {}
+_children = {}  # name -> dict(tmp, proc, out, log)
+
+
+def _labkit_run_args() -> list[str]:
+    args = ["--profile", "cpu-small", "--no-progress"]
+    for name, value in NOTEBOOK_OVERRIDES.items():
+        args += ["-p", name, json.dumps(value)]
+    return args
+
+
+def _start(name: str, argv, env: dict) -> None:
+    """Start ``argv(out)`` with ``env(out)``: ``out`` is a new temporary folder for what it writes."""
+    tmp = tempfile.TemporaryDirectory(prefix="labkit-test-")
+    out, log = Path(tmp.name) / "out", Path(tmp.name) / "log.txt"
+    out.mkdir()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv(out), env=env(out), stdout=f, stderr=subprocess.STDOUT, text=True)
+    _children[name] = dict(tmp=tmp, proc=proc, out=out, log=log)
+
+
+def _finished(name: str, timeout: float = 900):
+    """(exit code, last lines of its output, its output folder) once the child has ended."""
+    if name not in _children:
+        pytest.fail(f"{name} was not started: pytest_collection_finish starts it when a test needs it")
+    c = _children[name]
+    try:
+        code = c["proc"].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        c["proc"].kill()
+        code = f"timeout ({timeout:.0f} s)"
+    return code, c["log"].read_text()[-4000:], c["out"]
+
+
+def _waits_on_a_child(item) -> bool:
+    return item.name == NBVAL_TEST or "notebook_run" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that wait on the background runs go last, in their order: the rest run meanwhile."""
+    items[:] = [i for i in items if not _waits_on_a_child(i)] + [i for i in items if _waits_on_a_child(i)]
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or not any(i.name == NBVAL_TEST for i in session.items):
+    if session.config.option.collectonly:
         return
-    from labkit import runner
+    from labkit import results, runner
 
-    tmp = tempfile.TemporaryDirectory(prefix="labkit-nbval-")
-    run_dir, log = Path(tmp.name) / "run", Path(tmp.name) / "nbval.log"
-    run_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # inline figures, as in Jupyter
-    env["LABKIT_RUN_DIR"] = str(run_dir)
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
-                                 "-p", "no:randomly", str(runner.NOTEBOOKS_DIR)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
-    _nbval.update(tmp=tmp, proc=proc, run_dir=run_dir, log=log)
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "LABKIT_RUN_DIR", results.ACTIVE_RUN_ENV)}
+    if any("notebook_run" in getattr(i, "fixturenames", ()) for i in session.items):
+        _start("labkit run", lambda out: [sys.executable, "-m", "labkit.cli", "run", *_labkit_run_args(),
+                                          "--out", str(out)], lambda out: env)
+    if any(i.name == NBVAL_TEST for i in session.items):
+        # inline figures, as in Jupyter; records into a temporary folder
+        _start("nbval", lambda out: [sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
+                                     "-p", "no:randomly", str(runner.NOTEBOOKS_DIR)],
+               lambda out: {**env, "LABKIT_RUN_DIR": str(out)})
 
 
 def pytest_sessionfinish(session):
-    if _nbval:
-        if _nbval["proc"].poll() is None:
-            _nbval["proc"].kill()
-            _nbval["proc"].wait()
-        _nbval["tmp"].cleanup()
+    for c in _children.values():
+        if c["proc"].poll() is None:
+            c["proc"].kill()
+            c["proc"].wait()
+        c["tmp"].cleanup()
 
 
 @pytest.fixture
 def nbval_result():
-    """(exit code, output tail, run folder) of the background nbval run, once it has ended."""
-    if not _nbval:
-        pytest.fail(f"nbval was not started: pytest_collection_finish starts it when {NBVAL_TEST} is collected")
-    try:
-        code = _nbval["proc"].wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        _nbval["proc"].kill()
-        code = "timeout (600 s)"
-    return code, _nbval["log"].read_text()[-4000:], _nbval["run_dir"]
+    """(exit code, output tail, folder of its records) of `pytest --nbval-lax notebooks/`."""
+    return _finished("nbval")
