@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -102,9 +103,13 @@ def execute(p: Plan, base: Path | str = RUNS_DIR, progress: bool = True, log=Non
         dict(profile=p.profile, notebooks=ran, params=p.params, command=p.command), indent=1))
     log(f"run folder {run_dir} (profile {p.profile}); kernel messages go to kernels.log there")
     try:
-        with _stderr_to(run_dir / "kernels.log"), _inline_plots(), _active(run_dir):
+        with _stderr_to(run_dir / "kernels.log"), _library_logs_to(run_dir / "kernels.log"), _inline_plots(), \
+                _active(run_dir):
             _execute_all(p, run_dir, progress, log)
     except KeyboardInterrupt:
+        # the kernel got the same Ctrl-C; its client's pending task reports "Kernel died" when it is
+        # collected, after this: the one-line verdict is what the terminal should show
+        logging.getLogger("asyncio").disabled = True
         raise RunInterrupted(_failed(run_dir)) from None
     mark_finished(run_dir, p.command or "labkit run", notebooks=ran, profile=p.profile)
     return run_dir
@@ -131,6 +136,25 @@ def _active(run_dir: Path):
             os.environ.pop(ACTIVE_RUN_ENV, None)
         else:
             os.environ[ACTIVE_RUN_ENV] = saved
+
+
+@contextlib.contextmanager
+def _library_logs_to(path: Path):
+    """papermill's, nbclient's and asyncio's log lines (a dying kernel's, say) go to ``path``, not to
+    the terminal, where a run prints its progress lines and one verdict."""
+    handler = logging.FileHandler(path)
+    loggers = [logging.getLogger(n) for n in ("papermill", "nbclient", "traitlets", "asyncio")]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        handler.close()
 
 
 @contextlib.contextmanager
