@@ -124,3 +124,12 @@ def pytest_sessionfinish(session):
 def nbval_result():
     """(exit code, output tail, folder of its records) of `pytest --nbval-lax notebooks/`."""
     return _finished("nbval")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine a stalled OpenMP barrier dwarfs the ops."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,12 +11,7 @@ from labkit.profiling import DSA_CATEGORIES
 TOL = 4e-3  # a BF16 output against the float64 oracle (see test_paths.py)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _lab(kv_layout="fp8_per_tensor", lens=(100, 300, 65), page_size=32, index_topk=128, num_layers=2):

@@ -15,13 +15,7 @@ FP8, BF16 = "c10::Float8_e4m3fn", "c10::BFloat16"
 DTYPES_KNOWN = "input_dtypes" in inspect.signature(FunctionEvent.__init__).parameters
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine a stalled OpenMP barrier dwarfs the ops."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name, dtype, scopes, notes, expected", [
