@@ -49,7 +49,8 @@ except ImportError:  # pragma: no cover - old Triton
 
 BLOCK_N = 64  # tokens per tile: one wgmma M block of scores, the K of p @ V
 P_SCALE = 256.0  # p in [0, 1] is stored as e4m3 of p * 256 (keeps small p out of e4m3's subnormals)
-MAX_HEADS = 32
+MAX_HEADS = 128
+WIDE_HEADS = 64  # above 32 heads: CTAs of two warpgroups and 64 heads (128 heads: two head blocks)
 
 
 def _col_of_row(m):
@@ -59,6 +60,14 @@ def _col_of_row(m):
     bits 4-5 (the warp) -> 7-8 (warp w reads the 128-column TMA box w)."""
     return (((m >> 3) & 1) | (((m >> 6) & 7) << 1) | (((m >> 1) & 1) << 4) | (((m >> 2) & 1) << 5)
             | ((m & 1) << 6) | (((m >> 4) & 3) << 7))
+
+
+def _col_of_row8(m):
+    """``_col_of_row`` for two warpgroups (8 warps): a thread holds rows m bits 3, 7, 8 -> columns
+    bits 0-2 (8 adjacent bytes); lane bits m0 -> c3, m1 -> c6, m2 -> c4 (the 16 lanes of an 8-byte
+    load phase hit 16 distinct bank slots); warp bits m4 -> c5, m5 -> c7, m6 (the warpgroup) -> c8."""
+    return (((m >> 3) & 1) | (((m >> 7) & 3) << 1) | ((m & 1) << 3) | (((m >> 2) & 1) << 4)
+            | (((m >> 4) & 1) << 5) | (((m >> 1) & 1) << 6) | (((m >> 5) & 3) << 7))
 
 
 def _token_of_k(k):
@@ -75,6 +84,10 @@ def _token_of_k(k):
 V_LAYOUT_BASES = dict(reg=[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0], [8, 0], [16, 0], [32, 0]],
                       lane=[[1, 0], [2, 0], [0, 64], [0, 16], [0, 32]], warp=[[0, 128], [0, 256]])
 
+# The same for 8 warps (``_col_of_row8``): 8-byte loads, 128 values a thread.
+V_LAYOUT_BASES8 = dict(reg=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0], [16, 0], [32, 0]],
+                       lane=[[1, 0], [2, 0], [0, 8], [0, 64], [0, 16]], warp=[[0, 32], [0, 128], [0, 256]])
+
 # The relabellings as reshape + permute, spelled out literally in the kernel (pure renames of
 # registers there); tests/test_gluon.py replays them in torch against _col_of_row / _token_of_k
 # and checks that the kernel's source spells the same numbers:
@@ -84,6 +97,10 @@ V_SPLIT, V_PERM = (4, 2, 2, 2, 8, 2, 4, 4, 4), (4, 0, 5, 2, 3, 1, 6, 8, 7)
 P_SPLIT, P_PERM = (4, 4, 4), (3, 0, 2, 1)
 # out^T [512 m, H] -> [m8m7m6, m5m4, m3, m2, m1, m0, H] -> [512 col, H]
 ACC_SPLIT, ACC_PERM = (8, 4, 2, 2, 2, 2), (1, 5, 3, 4, 0, 2, 6)
+# 8 warps: [c8c7, c6, c5, c4, c3, c2c1, c0, t5t4, t3t2, t1t0] -> rows m (m8m7 = c2c1, m6m5 = c8c7, m4 = c5,
+# m3 = c0, m2 = c4, m1 = c6, m0 = c3), k as above; out^T [m8m7, m6m5, m4, m3, m2, m1, m0, H] -> columns
+V_SPLIT8, V_PERM8 = (4, 2, 2, 2, 2, 4, 2, 4, 4, 4), (5, 0, 2, 6, 3, 1, 4, 7, 9, 8)
+ACC_SPLIT8, ACC_PERM8 = (4, 4, 2, 2, 2, 2, 2), (1, 5, 2, 4, 6, 0, 3, 7)
 
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
@@ -91,21 +108,39 @@ if HAS_GLUON:
 
     @triton.constexpr_function
     def _v_layout(num_warps):
-        """Register layout of a [64 tokens, 512 columns] V tile (``V_LAYOUT_BASES``)."""
-        assert num_warps == 4
-        return gl.DistributedLinearLayout(reg_bases=V_LAYOUT_BASES["reg"], lane_bases=V_LAYOUT_BASES["lane"],
-                                          warp_bases=V_LAYOUT_BASES["warp"], block_bases=[], shape=[64, 512])
+        """Register layout of a [64 tokens, 512 columns] V tile (``V_LAYOUT_BASES``, 8 warps: ``...8``)."""
+        b = V_LAYOUT_BASES if num_warps == 4 else V_LAYOUT_BASES8
+        return gl.DistributedLinearLayout(reg_bases=b["reg"], lane_bases=b["lane"], warp_bases=b["warp"],
+                                          block_bases=[], shape=[64, 512])
+
+    @triton.constexpr_function
+    def _s_layout(num_warps, block_h):
+        """Scores s^T [64 tokens, BLOCK_H]: with two warpgroups each takes half of the heads (N)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                         instr_shape=[16, block_h * 4 // num_warps, 32])
+
+    @triton.constexpr_function
+    def _acc_layout(num_warps, block_h):
+        """out^T [512 rows, BLOCK_H]: with two warpgroups each takes 256 of the rows (M), all heads."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_h, 32])
 
     @gluon.jit
-    def _relabel_v(v, a_layout: gl.constexpr):
+    def _relabel_v(v, a_layout: gl.constexpr, NUM_WARPS: gl.constexpr):
         """[64 tokens, 512 columns] -> V^T relabelled [512 rows m, 64 k] in the A-operand layout:
-        A[m, k] = V[_token_of_k(k), _col_of_row(m)]. Reshapes and permutes only rename registers."""
+        A[m, k] = V[_token_of_k(k), _col_of_row(m)] (8 warps: _col_of_row8). Reshapes and permutes
+        only rename registers."""
         vt = gl.permute(v, (1, 0))  # [512 col, 64 tok]
-        # column c = (c8 c7 | c6 | c5 | c4 | c3 c2 c1 | c0), token t = (t5 t4 | t3 t2 | t1 t0)
-        vt = gl.reshape(vt, [4, 2, 2, 2, 8, 2, 4, 4, 4])
-        # row m = (m8 m7 m6 = c3 c2 c1 | m5 m4 = c8 c7 | m3 = c0 | m2 = c5 | m1 = c4 | m0 = c6),
-        # k = (k5 k4 = t5 t4 | k3 k2 = t1 t0 | k1 k0 = t3 t2)
-        vt = gl.permute(vt, (4, 0, 5, 2, 3, 1, 6, 8, 7))
+        if NUM_WARPS == 4:
+            # column c = (c8 c7 | c6 | c5 | c4 | c3 c2 c1 | c0), token t = (t5 t4 | t3 t2 | t1 t0)
+            vt = gl.reshape(vt, [4, 2, 2, 2, 8, 2, 4, 4, 4])
+            # row m = (m8 m7 m6 = c3 c2 c1 | m5 m4 = c8 c7 | m3 = c0 | m2 = c5 | m1 = c4 | m0 = c6),
+            # k = (k5 k4 = t5 t4 | k3 k2 = t1 t0 | k1 k0 = t3 t2)
+            vt = gl.permute(vt, (4, 0, 5, 2, 3, 1, 6, 8, 7))
+        else:
+            # column c = (c8 c7 | c6 | c5 | c4 | c3 | c2 c1 | c0)
+            vt = gl.reshape(vt, [4, 2, 2, 2, 2, 4, 2, 4, 4, 4])
+            # row m = (m8 m7 = c2 c1 | m6 m5 = c8 c7 | m4 = c5 | m3 = c0 | m2 = c4 | m1 = c6 | m0 = c3)
+            vt = gl.permute(vt, (5, 0, 2, 6, 3, 1, 4, 7, 9, 8))
         vt = gl.reshape(vt, [512, 64])
         return gl.convert_layout(vt, a_layout)
 
@@ -118,12 +153,17 @@ if HAS_GLUON:
         return gl.reshape(p, [BH, 64])
 
     @gluon.jit
-    def _unrelabel_acc(acc):
+    def _unrelabel_acc(acc, NUM_WARPS: gl.constexpr):
         """out^T [512 rows m, BLOCK_H] -> [512 columns, BLOCK_H]: row m holds column _col_of_row(m)."""
         BH: gl.constexpr = acc.shape[1]
-        acc = gl.reshape(acc, [8, 4, 2, 2, 2, 2, BH])  # m = (m8 m7 m6 | m5 m4 | m3 | m2 | m1 | m0)
-        # column = (c8 c7 = m5 m4 | c6 = m0 | c5 = m2 | c4 = m1 | c3 c2 c1 = m8 m7 m6 | c0 = m3)
-        acc = gl.permute(acc, (1, 5, 3, 4, 0, 2, 6))
+        if NUM_WARPS == 4:
+            acc = gl.reshape(acc, [8, 4, 2, 2, 2, 2, BH])  # m = (m8 m7 m6 | m5 m4 | m3 | m2 | m1 | m0)
+            # column = (c8 c7 = m5 m4 | c6 = m0 | c5 = m2 | c4 = m1 | c3 c2 c1 = m8 m7 m6 | c0 = m3)
+            acc = gl.permute(acc, (1, 5, 3, 4, 0, 2, 6))
+        else:
+            acc = gl.reshape(acc, [4, 4, 2, 2, 2, 2, 2, BH])  # m = (m8 m7 | m6 m5 | m4 | m3 | m2 | m1 | m0)
+            # column = (c8 c7 = m6 m5 | c6 = m1 | c5 = m4 | c4 = m2 | c3 = m0 | c2 c1 = m8 m7 | c0 = m3)
+            acc = gl.permute(acc, (1, 5, 2, 4, 6, 0, 3, 7))
         return gl.reshape(acc, [512, BH])
 
     @gluon.jit
@@ -149,11 +189,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-              MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr):
+              MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_H, 32])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
+        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
+        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         ckv_ring, kpe_ring, bars = ring
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
@@ -162,7 +203,7 @@ if HAS_GLUON:
         s = warpgroup_mma(ckv, qn_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
                           use_acc=False, is_async=True)
         s = warpgroup_mma(kpe, qp_smem.permute((1, 0)), s, is_async=True)
-        v = ckv.load(_v_layout(4))  # [64, 512] e4m3, while the score MMA runs
+        v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, while the score MMA runs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
         _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
@@ -180,8 +221,8 @@ if HAS_GLUON:
         p_smem.store(_relabel_p((p * _P_SCALE).to(gl.float8e4nv)))
         fence_async_shared()
         _cta_barrier()
-        acc = acc * alpha[None, :]
-        acc = warpgroup_mma(_relabel_v(v, a_layout), p_smem.permute((1, 0)), acc, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
+        acc = warpgroup_mma(_relabel_v(v, a_layout, NUM_WARPS), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l_i, acc
 
@@ -203,18 +244,19 @@ if HAS_GLUON:
         stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
         stride_o_b, stride_o_h,
         PAGE: gl.constexpr,  # page_size, a multiple of 64
-        BLOCK_H: gl.constexpr,  # heads per CTA: 16 or 32 (the MMAs' N)
+        BLOCK_H: gl.constexpr,  # heads per CTA: 16 or 32 (the MMAs' N), 64 with 8 warps
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the shared-memory ring
+        NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
         split = gl.program_id(2)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_H, 32])
+        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
+        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
         ckv_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
 
         ckv_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 512], ckv_sl)
         kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
@@ -270,21 +312,21 @@ if HAS_GLUON:
 
         m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
-        acc = gl.zeros([512, BLOCK_H], gl.float32, layout=s_layout)  # out^T, rows relabelled
+        acc = gl.zeros([512, BLOCK_H], gl.float32, layout=acc_layout)  # out^T, rows relabelled
         for tile in range(0, n_full):
             m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                  False, NUM_STAGES, PAGE, BLOCK_H)
+                                  False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS)
         if n_full < n_tiles:  # the split's partial last tile, masked
             m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i, acc,
-                                  True, NUM_STAGES, PAGE, BLOCK_H)
+                                  True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
         # out^T back to [512 columns, BLOCK_H] in column order (free), then through shared memory
         # to a layout that writes 16 contiguous bytes a thread: the partials are one write of
         # B*H*S*512*4 B, and scattered 4-byte stores would cost several times that in sectors
-        o_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
-        out = gl.convert_layout(_unrelabel_acc(acc), o_layout)
+        o_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NUM_WARPS], [0, 1])
+        out = gl.convert_layout(_unrelabel_acc(acc, NUM_WARPS), o_layout)
         l_i = gl.convert_layout(gl.sum(l_i, axis=0), gl.SliceLayout(0, o_layout))
         m_i = gl.convert_layout(m_i, gl.SliceLayout(0, o_layout))
         l_safe = gl.maximum(l_i, 1e-30)
@@ -314,6 +356,16 @@ def _scratch(size: int, alignment: int, stream):
 # two CTAs per SM with a 2-tile ring each was best at 16 heads 128 x 8K, 32 x 32K, 8 heads 128 x 16K
 # and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
 GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2)
+# 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM.
+GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1)
+
+
+def block_config(H: int) -> tuple[int, int, dict]:
+    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
+    two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages)."""
+    if H <= 32:
+        return (16 if H <= 16 else 32), 4, GPU_CONFIG
+    return WIDE_HEADS, 8, GPU_CONFIG_WIDE
 
 
 @functools.lru_cache(maxsize=None)
@@ -368,24 +420,26 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * (D_CKV + D_KPE):
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h = 16 if H <= 16 else 32
-    cfg = dict(GPU_CONFIG)
+    block_h, num_warps, cfg = block_config(H)
+    cfg = dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     if v_scale is None:
         v_scale = k_scale
-    num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, 1, kv_lens, max_len, BLOCK_N, dev,
+    head_blocks = triton.cdiv(H, block_h)
+    num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, head_blocks, kv_lens, max_len, BLOCK_N, dev,
                                 cfg["ctas_per_sm"])
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-    _mla_decode_fp8_gluon_kernel[(B, 1, num_splits)](
+    _mla_decode_fp8_gluon_kernel[(B, head_blocks, num_splits)](
         q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], num_warps=4,
+        PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
+        num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

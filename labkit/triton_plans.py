@@ -157,11 +157,11 @@ def gluon(pool, batch, num_heads, sm_scale, q_dtype):
         return None
     G.check_gluon_args(num_heads, pool.page_size, pool.device)
     views, scales = _layers(pool)
-    cfg = dict(G.GPU_CONFIG)
-    s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, 1, batch.kv_lens, batch.max_len, G.BLOCK_N,
-                       pool.device, cfg["ctas_per_sm"])
+    block_h, num_warps, cfg = G.block_config(num_heads)
+    head_blocks = -(-num_heads // block_h)
+    s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens, batch.max_len,
+                       G.BLOCK_N, pool.device, cfg["ctas_per_sm"])
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
-    block_h = 16 if num_heads <= 16 else 32
     num_rows = pool.num_pages * pool.page_size
     b = batch
 
@@ -170,11 +170,12 @@ def gluon(pool, batch, num_heads, sm_scale, q_dtype):
 
         def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-            G._mla_decode_fp8_gluon_kernel[(b.batch_size, 1, s)](
+            G._mla_decode_fp8_gluon_kernel[(b.batch_size, head_blocks, s)](
                 q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
                 float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
                 q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-                PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], num_warps=4)
+                PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"],
+                NUM_WARPS=num_warps, num_warps=num_warps)
 
         return split.run(stage1, k_scale)
     return run

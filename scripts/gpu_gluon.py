@@ -23,7 +23,8 @@ from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E4
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
             "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
             "default": dict()}
-SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192)]
+SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
+          (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 LAYERS = 4  # rotating layers in the CUDA-graph timing
 TOL = 6e-2  # FP8 query and FP8 probabilities
 
@@ -31,11 +32,13 @@ TOL = 6e-2  # FP8 query and FP8 probabilities
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    out = Path(ap.parse_args().out)
+    ap.add_argument("--heads", type=int, nargs="*", help="only the shapes with these head counts")
+    a = ap.parse_args()
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ceil = roofline.measure_ceilings("cuda", cache_dir=out)
     res = dict(env=gk.env_info(), command=" ".join(sys.argv), copy_gbps=ceil.copy_gbps, rows=[])
-    for H, B, L in SHAPES:
+    for H, B, L in [s for s in SHAPES if not a.heads or s[0] in a.heads]:
         pool = kvpool.random_pool(LAYERS, int(B * L * 1.05) // 64 * 64 + 64, 64, device="cuda", seed=H + B)
         batch = kvpool.batch_for_pool(pool, [L] * B, seed=B)
         qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)

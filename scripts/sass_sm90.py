@@ -32,7 +32,8 @@ PTRS = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", kv_indptr_p
 
 def compile_sm90(block_h: int, stages: int, page: int = 64):
     fn = G._mla_decode_fp8_gluon_kernel
-    consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages)
+    num_warps = 8 if block_h == G.WIDE_HEADS else 4
+    consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -42,7 +43,7 @@ def compile_sm90(block_h: int, stages: int, page: int = 64):
         else:
             sig[name] = "fp32" if name.endswith("scale") else "i32"
     src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 def stats(cc) -> tuple[dict, str]:
@@ -61,7 +62,7 @@ def stats(cc) -> tuple[dict, str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--block-h", type=int, default=16, choices=(16, 32))
+    ap.add_argument("--block-h", type=int, default=16, choices=(16, 32, 64))
     ap.add_argument("--stages", type=int, default=G.GPU_CONFIG["num_stages"])
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()

@@ -27,23 +27,25 @@ SM = 1 / 16
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _wgmma_a_fragment(warp, lane):
+def _wgmma_a_fragment(warp, lane, num_warps=4):
     """(m, k) of the A values one thread holds in registers for wgmma m64 k32 with 8-bit types (PTX
     ISA, "wgmma .m64nNk32 register fragment A"): 4 registers of 4 bytes; register r, byte j:
-    row = 16 * warp + lane / 4 + 8 * (r % 2), col = 4 * (lane % 4) + j + 16 * (r / 2).
-    Tiled over [512, 64]: 8 tiles along M, 2 along K."""
+    row = 16 * warp + lane / 4 + 8 * (r % 2), col = 4 * (lane % 4) + j + 16 * (r / 2), warp counted
+    over the CTA's warpgroups (warpgroup g owns rows 64 g of each block of 16 * num_warps rows).
+    Tiled over [512, 64]: 512 / (16 * num_warps) tiles along M, 2 along K."""
     out = set()
-    for mt in range(8):
+    rows = 16 * num_warps
+    for mt in range(512 // rows):
         for kt in range(2):
             for r in range(4):
                 for j in range(4):
-                    out.add((64 * mt + 16 * warp + lane // 4 + 8 * (r % 2), 32 * kt + 4 * (lane % 4) + j + 16 * (r // 2)))
+                    out.add((rows * mt + 16 * warp + lane // 4 + 8 * (r % 2),
+                             32 * kt + 4 * (lane % 4) + j + 16 * (r // 2)))
     return out
 
 
-def _v_layout_elements(warp, lane):
+def _v_layout_elements(warp, lane, b=G.V_LAYOUT_BASES):
     """(token, column) per register of the V tile's linear layout, in register order."""
-    b = G.V_LAYOUT_BASES
     base = [0, 0]
     for i, v in enumerate(b["lane"]):
         if lane >> i & 1:
@@ -52,7 +54,7 @@ def _v_layout_elements(warp, lane):
         if warp >> i & 1:
             base = [base[0] ^ v[0], base[1] ^ v[1]]
     regs = []
-    for r in range(1 << len(b["reg"])):
+    for r in range(1 << len(b["reg"])):  # noqa: B007
         t, c = base
         for i, v in enumerate(b["reg"]):
             if r >> i & 1:
@@ -63,6 +65,7 @@ def _v_layout_elements(warp, lane):
 
 def test_relabelling_is_a_bijection():
     assert sorted(G._col_of_row(m) for m in range(512)) == list(range(512))
+    assert sorted(G._col_of_row8(m) for m in range(512)) == list(range(512))
     assert sorted(G._token_of_k(k) for k in range(64)) == list(range(64))
 
 
@@ -83,12 +86,42 @@ def test_relabel_reshapes_match_the_index_maps():
     acc = torch.tensor([G._col_of_row(m) for m in range(512)])[:, None].expand(512, 16)  # out^T rows
     got = acc.reshape(*G.ACC_SPLIT, 16).permute(G.ACC_PERM).reshape(512, 16)
     assert got[:, 0].tolist() == list(range(512))
+    for col_of_row, split, perm, acc_split, acc_perm in ((G._col_of_row8, G.V_SPLIT8, G.V_PERM8, G.ACC_SPLIT8,
+                                                          G.ACC_PERM8), ):
+        got = col.reshape(split).permute(perm).reshape(512, 64)
+        assert got[:, 0].tolist() == [col_of_row(m) for m in range(512)]
+        assert tok.reshape(split).permute(perm).reshape(512, 64)[0].tolist() == [G._token_of_k(k) for k in range(64)]
+        acc = torch.tensor([col_of_row(m) for m in range(512)])[:, None].expand(512, 16)
+        assert acc.reshape(*acc_split, 16).permute(acc_perm).reshape(512, 16)[:, 0].tolist() == list(range(512))
     src = inspect.getsource(G)
+    assert f"gl.reshape(vt, {list(G.V_SPLIT8)})" in src and f"gl.permute(vt, {G.V_PERM8})" in src
+    assert f"gl.reshape(acc, {list(G.ACC_SPLIT8) + ['BH']})".replace("'", "") in src
+    assert f"gl.permute(acc, {G.ACC_PERM8})" in src
     assert f"gl.reshape(vt, {list(G.V_SPLIT)})" in src and f"gl.permute(vt, {G.V_PERM})" in src
     assert f"gl.reshape(p, {list(G.P_SPLIT) + ['BH']})".replace("'", "") in src
     assert f"gl.permute(p, {G.P_PERM})" in src
     assert f"gl.reshape(acc, {list(G.ACC_SPLIT) + ['BH']})".replace("'", "") in src
     assert f"gl.permute(acc, {G.ACC_PERM})" in src
+
+
+def test_v_layout_of_two_warpgroups_is_the_wgmma_fragment_relabelled():
+    """8 warps (64 heads): each thread loads the V values the MMA wants from it, 8 adjacent bytes at
+    a time, and the 16 lanes of each 8-byte shared-memory phase hit 16 distinct bank slots."""
+    for warp in range(8):
+        for lane in range(32):
+            want = {(G._token_of_k(k), G._col_of_row8(m)) for m, k in _wgmma_a_fragment(warp, lane, 8)}
+            regs = _v_layout_elements(warp, lane, G.V_LAYOUT_BASES8)
+            assert set(regs) == want and len(regs) == 128
+            for v in range(0, 128, 8):
+                tok, col = regs[v]
+                assert regs[v:v + 8] == [(tok, col + i) for i in range(8)] and col % 8 == 0
+            assert {c // 256 for _, c in regs} == {warp // 4}  # warpgroup g reads columns 256 g ..
+        for v in range(0, 128, 8):
+            for phase in range(2):
+                slots = {((((c % 128) // 16) ^ (t % 8)), (c % 16) // 8)
+                         for t, c in (_v_layout_elements(warp, lane, G.V_LAYOUT_BASES8)[v]
+                                      for lane in range(16 * phase, 16 * phase + 16))}
+                assert len(slots) == 16
 
 
 def test_v_layout_is_the_wgmma_fragment_relabelled():
@@ -123,9 +156,9 @@ def test_refusals_name_the_rule():
     pool = kvpool.random_pool(1, 1024, 64, seed=1)
     batch = kvpool.batch_for_pool(pool, [20], seed=2)
     idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens)
-    qn64, qp64 = kvpool.make_queries(1, 64, seed=3)
-    with pytest.raises(ValueError, match=r"64 heads; allowed 1..32"):
-        G.mla_decode_fp8_gluon(qn64, qp64, pool.layer(0), *idx, SM)
+    qn256, qp256 = kvpool.make_queries(1, 256, seed=3)
+    with pytest.raises(ValueError, match=r"256 heads; allowed 1..128"):
+        G.mla_decode_fp8_gluon(qn256, qp256, pool.layer(0), *idx, SM)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
             G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), *idx, SM)
@@ -133,7 +166,7 @@ def test_refusals_name_the_rule():
             backends.get("fp8_native.gluon").decode(qn, qp, pool, 0, batch, SM)
     b = backends.get("fp8_native.gluon")
     assert (b.page_sizes, b.max_heads, b.min_capability, b.max_capability, b.runs_on_cpu) == \
-        ((64, 128), 32, (9, 0), (9, 0), False)
+        ((64, 128), 128, (9, 0), (9, 0), False)
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
@@ -155,6 +188,24 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
     assert st["shared"] >= G.GPU_CONFIG["num_stages"] * 64 * 576  # the tile ring
 
 
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
+    """64 heads a CTA: the score MMAs split the heads (N = 32 per warpgroup), p @ V splits the 512
+    rows (N = 64), V comes in 8-byte loads, and nothing spills (the accumulator is 128 registers)."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "64", "--stages",
+                          str(G.GPU_CONFIG_WIDE["num_stages"]), "--sass", str(tmp_path / "k.sass")],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+    assert st["stack"] == 0 and st["ops"].get("LDS.64", 0) >= 2 * 16
+    assert len(re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", sass)) == 2 * 18
+    assert len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass)) == 2 * 8  # 4 row blocks x 2 k steps
+    assert not any(o.startswith(("HMMA", "HGMMA", "LDS.U8")) for o in st["ops"])
+
+
 # ------------------------------------------------------------------ GPU -------------------------
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                             reason="needs a Hopper (sm_90) GPU")
@@ -163,7 +214,7 @@ TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1)])
+@pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1), (64, 64), (128, 48), (64, 128)])
 @pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5)])
 def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
