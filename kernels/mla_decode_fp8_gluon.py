@@ -41,6 +41,7 @@ from .mla_merge import mla_merge
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
     HAS_GLUON = hasattr(tma, "make_tensor_descriptor")
@@ -188,16 +189,44 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @gluon.jit
+    def _gather(ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Sparse: the 576-byte rows of tile ``tile``'s 64 token slots by cp.async (16 bytes a thread a
+        copy; TMA has no row gather) into its ring slot; a -1 slot or one past the split's end is
+        zero-filled. One commit group per call, empty past the last tile, so the groups count tiles."""
+        tok_ptr, kv_ptr, start, end, n_full, n_tiles = split
+        ckv_ring, kpe_ring, bars = ring
+        if tile < n_tiles:
+            slot = tile % NUM_STAGES
+            cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])  # a warp: one 512 B row
+            pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])  # a warp: 8 rows of 64 B
+            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
+            async_copy.async_copy_global_to_shared(ckv_ring.index(slot), kv_ptr + t.to(gl.int64)[:, None] * 576
+                                                   + c[None, :], mask=(t >= 0)[:, None])
+            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
+            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            c = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
+            async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + t.to(gl.int64)[:, None] * 576
+                                                   + c[None, :], mask=(t >= 0)[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-              NUM_WARPS: gl.constexpr):
+              NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
         acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         ckv_ring, kpe_ring, bars = ring
         slot = tile % NUM_STAGES
-        mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
+        if SPARSE:  # this thread's copies of the tile have landed; then everyone's; then the MMA may read
+            async_copy.wait_group(NUM_STAGES - 1)
+            fence_async_shared()
+            _cta_barrier()
+        else:
+            mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         ckv = ckv_ring.index(slot)
         kpe = kpe_ring.index(slot)
         s = warpgroup_mma(ckv, qn_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
@@ -206,17 +235,25 @@ if HAS_GLUON:
         v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, while the score MMA runs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
-        _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
+        if SPARSE:
+            _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
+        else:
+            _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
 
         s = s * qk_scale
         if MASKED:  # rows past the request's end (zeros, from the tail descriptor): -inf scores
             start = split[2]
             end = split[3]
             tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            s = gl.where((tok < end)[:, None], s, -float("inf"))
+            if SPARSE:  # and the -1 slots (zero rows)
+                valid = gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0
+            else:
+                valid = tok < end
+            s = gl.where(valid[:, None], s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may have no valid slot yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
         l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
         p_smem.store(_relabel_p((p * _P_SCALE).to(gl.float8e4nv)))
         fence_async_shared()
@@ -235,6 +272,8 @@ if HAS_GLUON:
         kv_indptr_ptr,  # *i32 [B + 1]
         kv_indices_ptr,  # *i32 [nnz] page ids
         kv_lens_ptr,  # *i32 [B]
+        tok_ptr,  # SPARSE: *i32 [B, topk] token slots (global row ids, -1 = none)
+        topk,  # SPARSE: slots per request
         o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
         lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
         qk_scale,  # sm_scale * k_scale * log2(e)
@@ -248,6 +287,7 @@ if HAS_GLUON:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the shared-memory ring
         NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
+        SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -267,31 +307,41 @@ if HAS_GLUON:
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
 
-        seq_len = gl.load(kv_lens_ptr + b)
+        if SPARSE:
+            seq_len = topk
+        else:
+            seq_len = gl.load(kv_lens_ptr + b)
         page_base = gl.load(kv_indptr_ptr + b)
         split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
         start = split * split_len
         end = gl.minimum(start + split_len, seq_len)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
         n_full = gl.maximum(end - start, 0) // 64
-        # TMA descriptors: the whole pool as token rows; and the rows of the partial last tile (if
-        # any) up to the request's end, so that the box past it reads as zeros
-        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
-        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
-        if n_full < n_tiles:
-            n0_tail = start + n_full * 64
-            tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
-            tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
-            ckv_tail = tma.make_tensor_descriptor(tail_ptr, [end - n0_tail, 512], [576, 1], [64, 512], ckv_sl)
-            kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [end - n0_tail, 64], [576, 1], [64, 64], kpe_sl)
-        else:  # no partial tile: no descriptors to build (each costs a global write and a fence)
-            ckv_tail = ckv_desc
-            kpe_tail = kpe_desc
-        descs = (ckv_desc, kpe_desc, ckv_tail, kpe_tail)
         ring = (ckv_ring, kpe_ring, bars)
-        split_ = (kv_indices_ptr, page_base, start, end, n_full, n_tiles)
-        for i in gl.static_range(NUM_STAGES):
-            _issue(descs, ring, split_, i, NUM_STAGES, PAGE)
+        if SPARSE:
+            descs = (kv_ptr, kv_ptr, kv_ptr, kv_ptr)  # unused: rows come by cp.async
+            split_ = (tok_ptr + b.to(gl.int64) * topk, kv_ptr, start, end, 0, n_tiles)
+            for i in gl.static_range(NUM_STAGES):
+                _gather(ring, split_, i, NUM_STAGES, NUM_WARPS)
+        else:
+            # TMA descriptors: the whole pool as token rows; and the rows of the partial last tile (if
+            # any) up to the request's end, so that the box past it reads as zeros
+            ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
+            kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
+            if n_full < n_tiles:
+                n0_tail = start + n_full * 64
+                tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
+                tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
+                ckv_tail = tma.make_tensor_descriptor(tail_ptr, [end - n0_tail, 512], [576, 1], [64, 512], ckv_sl)
+                kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [end - n0_tail, 64], [576, 1], [64, 64], kpe_sl)
+            else:  # no partial tile: no descriptors to build (each costs a global write and a fence)
+                ckv_tail = ckv_desc
+                kpe_tail = kpe_desc
+            descs = (ckv_desc, kpe_desc, ckv_tail, kpe_tail)
+            split_ = (kv_indices_ptr, page_base, start, end, n_full, n_tiles)
+            for i in gl.static_range(NUM_STAGES):
+                _issue(descs, ring, split_, i, NUM_STAGES, PAGE)
+
 
         # the query in e4m3, one scale for the CTA (amax / 448), into shared memory (the B operands)
         heads = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -313,12 +363,18 @@ if HAS_GLUON:
         m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
         acc = gl.zeros([512, BLOCK_H], gl.float32, layout=acc_layout)  # out^T, rows relabelled
-        for tile in range(0, n_full):
-            m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                  False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS)
-        if n_full < n_tiles:  # the split's partial last tile, masked
-            m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i, acc,
-                                  True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS)
+        if SPARSE:  # every tile masked: any slot may be -1
+            for tile in range(0, n_tiles):
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
+                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True)
+            async_copy.wait_group(0)
+        else:
+            for tile in range(0, n_full):
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
+                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False)
+            if n_full < n_tiles:  # the split's partial last tile, masked
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i,
+                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -373,9 +429,10 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-def check_gluon_args(H: int, page_size: int, device: torch.device):
-    """Why this kernel cannot run here (ValueError naming the rule), before any launch."""
-    if page_size % BLOCK_N:
+def check_gluon_args(H: int, page_size: int, device: torch.device, sparse: bool = False):
+    """Why this kernel cannot run here (ValueError naming the rule), before any launch. Sparse
+    batches read rows by id, so any page size; dense ones tile pages of 64 or 128."""
+    if page_size % BLOCK_N and not sparse:
         raise ValueError(f"mla_decode_fp8_gluon: page_size={page_size}; allowed [64, 128] (a tile is 64 "
                          f"tokens of one page)")
     if H > MAX_HEADS:
@@ -391,20 +448,23 @@ def check_gluon_args(H: int, page_size: int, device: torch.device):
 def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                          kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
-                         num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None):
+                         num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
+                         token_indices: torch.Tensor | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
     ----------
-    q_nope : [B, H, 512] bf16 or fp16 (H in 1..32), last dim contiguous.
+    q_nope : [B, H, 512] bf16 or fp16 (H in 1..128), last dim contiguous.
     q_pe : [B, H, 64], same dtype.
     kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, dense pages (stride(0) = page_size * 576),
-        real = stored * k_scale; page_size 64 or 128.
+        real = stored * k_scale; page_size 64 or 128 (any with ``token_indices``).
     kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 page ids; kv_lens : [B] int32.
     sm_scale : softmax scale. k_scale : per-tensor scale of the pool, folded into the scores.
     v_scale : scale of V, folded into the output; defaults to k_scale.
     num_splits : splits per request (None: one wave of ``ctas_per_sm`` CTAs per SM).
     return_lse : also return lse.
+    token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
+        checked where made); each request attends to its slots only, read by cp.async.
     num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
@@ -416,7 +476,12 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices,
                                         kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
     dev = q_nope.device
-    check_gluon_args(H, page_size, dev)
+    sparse = token_indices is not None
+    check_gluon_args(H, page_size, dev, sparse)
+    if sparse and (token_indices.dtype != torch.int32 or token_indices.dim() != 2 or token_indices.shape[0] != B
+                   or not token_indices.is_contiguous()):
+        raise ValueError(f"mla_decode_fp8_gluon: token_indices must be contiguous int32 [B={B}, topk], got "
+                         f"{token_indices.dtype} {tuple(token_indices.shape)}")
     if kv_buffer.stride(0) != page_size * (D_CKV + D_KPE):
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
                          f"got strides {tuple(kv_buffer.stride())}")
@@ -428,18 +493,20 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
-    num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, head_blocks, kv_lens, max_len, BLOCK_N, dev,
-                                cfg["ctas_per_sm"])
+    topk = token_indices.shape[1] if sparse else 0
+    num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, head_blocks, kv_lens,
+                                topk if sparse else max_len, BLOCK_N, dev, cfg["ctas_per_sm"])
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
     _mla_decode_fp8_gluon_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
+        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
+        token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        num_warps=num_warps,
+        SPARSE=sparse, num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

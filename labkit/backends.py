@@ -47,6 +47,7 @@ class Backend:
     max_capability: tuple | None = None  # e.g. (9, 0): wgmma exists on Hopper only
     runs_on_cpu: bool = True
     page_sizes: tuple = ALL_PAGE_SIZES
+    sparse_page_sizes: tuple | None = None  # for sparse batches, if not page_sizes (rows read by id)
     max_heads: int = 128
     kernel: str = ""  # what does the attention, as the study names it
     note: str = ""
@@ -82,8 +83,11 @@ class Backend:
             if self.max_capability and cc > self.max_capability:
                 raise ValueError(f"backend {self.name!r} runs on compute capability <= {self.max_capability} "
                                  f"(Hopper wgmma), {torch.cuda.get_device_name(dev)} has {cc}")
-        if pool.page_size not in self.page_sizes:
-            raise ValueError(f"backend {self.name!r}: page_size={pool.page_size}; allowed {list(self.page_sizes)}")
+        sizes = self.sparse_page_sizes if batch is not None and batch.topk and self.sparse_page_sizes else \
+            self.page_sizes
+        if pool.page_size not in sizes:
+            kind = "sparse" if sizes is self.sparse_page_sizes else "dense"
+            raise ValueError(f"backend {self.name!r}: page_size={pool.page_size}; allowed {list(sizes)} ({kind})")
         if q_nope.shape[1] > self.max_heads:
             raise ValueError(f"backend {self.name!r}: {q_nope.shape[1]} heads; allowed 1..{self.max_heads}")
 

@@ -244,3 +244,28 @@ def test_gpu_gluon_backend_matches_the_fp8_query_backend():
     a = backends.get("fp8_native.gluon").decode(qn, qp, pool, 0, batch, SM)
     b = backends.get("fp8_native.triton_q8").decode(qn, qp, pool, 0, batch, SM)
     assert reference.rel_err(a, b) < 3e-2  # both quantize q; the Gluon kernel also quantizes p
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page_size,heads", [(1, 16), (1, 64), (64, 128), (1, 32), (16, 8)])
+def test_gpu_gluon_sparse(page_size, heads):
+    """Token slots in the indexer's random order (rows by cp.async): the oracle over the valid slots,
+    with -1 slots anywhere (a whole leading tile of them too), short contexts and every split mode."""
+    lens, topk = [3000, 17, 4096, 700], 1024
+    pool = kvpool.random_pool(1, page_size * (sum(-(-n // page_size) for n in lens) + 3), page_size, seed=heads,
+                              device="cuda")
+    batch = kvpool.sparse_batch_for_pool(pool, lens, topk, seed=heads + 1)
+    slots = batch.slots(0).clone()
+    slots[0, :70] = -1  # the first tile of request 0 holds no token
+    slots[2, 100::7] = -1
+    batch = batch.with_slots(slots)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    for splits in (None, 1, 5):
+        out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                                          SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots)
+        assert torch.isfinite(out).all() and reference.rel_err(out, ref) < TOL_GPU_P8
+        assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
+    plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
+    assert reference.rel_err(plan.run(qn, qp, 0, slots), ref) < TOL_GPU_P8
