@@ -37,11 +37,13 @@ DS_W: the query is bf16 (one term: the e4m3 query's error is gone, so "fast" is 
 query) and p is bf16; "accurate" splits p into bf16 hi + lo (two P.V dots per group): on the CPU
 p's 8 bits set the error (bf16 q: 2.0-2.2e-3 with one term, 1.7e-3 split, the bf16 output's floor;
 fp16 q: 1.5e-3 and 2.1e-4); splitting the query too (bf16 hi + lo) changed nothing for bf16 or
-fp16 queries, so Q_SPLIT is 0 there (the kernel still takes it).
+fp16 queries, so the query is one bf16 term there (Q_SPLIT is 0).
 On the H200 PV 1 is the default for both (``gpu_config``): the FP8 P.V was 1.7-2.1x slower, since an
 FP8 wgmma reads V K-major and Triton transposes the FP8 tile through shared memory for it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -182,20 +184,14 @@ def _pv(x, v, acc, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _q_bf16(q_ptr, row_off, hmask, col0, W: tl.constexpr, SPLIT: tl.constexpr, EMU: tl.constexpr):
-    """Columns col0 .. col0 + W of q as bf16 hi and lo = bf16(q - hi): [BLOCK_H, W] each (fp32 holding
-    bf16 values under EMU). hi's value comes from bit arithmetic in fp32 (``round_to_bf16``), never
-    from a narrow register read back (the trap ``_split_e4m3`` describes)."""
+def _q_bf16(q_ptr, row_off, hmask, col0, W: tl.constexpr, EMU: tl.constexpr):
+    """Columns col0 .. col0 + W of q rounded to bf16: [BLOCK_H, W] (fp32 holding bf16 values under
+    EMU). The rounding is bit arithmetic in fp32 (``round_to_bf16``): the interpreter's casts truncate."""
     x = tl.load(q_ptr + row_off[:, None] + col0 + tl.arange(0, W)[None, :], mask=hmask[:, None], other=0.0)
-    x = x.to(tl.float32)
-    hi = round_to_bf16(x)
-    lo = hi
-    if SPLIT:
-        lo = round_to_bf16(x - hi)
+    hi = round_to_bf16(x.to(tl.float32))
     if not EMU:
         hi = hi.to(tl.bfloat16)
-        lo = lo.to(tl.bfloat16)
-    return hi, lo
+    return hi
 
 
 @triton.jit
@@ -209,12 +205,9 @@ def _widen_scaled(k, sc, EMU: tl.constexpr):
 
 
 @triton.jit
-def _qk16(hi, lo, k, acc, SPLIT: tl.constexpr):
-    """acc + q . k^T: [BLOCK_H, W] bf16 query terms (hi, lo), [BLOCK_N, W] bf16 keys, acc fp32."""
-    kt = tl.trans(k)
-    if SPLIT:
-        acc = tl.dot(lo, kt, acc)
-    return tl.dot(hi, kt, acc)
+def _qk16(q, k, acc):
+    """acc + q . k^T: [BLOCK_H, W] bf16 query, [BLOCK_N, W] bf16 keys, acc [BLOCK_H, BLOCK_N] fp32."""
+    return tl.dot(q, tl.trans(k), acc)
 
 
 @triton.jit
@@ -316,12 +309,12 @@ def _mla_decode_fp8_rows_kernel(
     # the query in e4m3, one scale per head (ds_mla: RoPE stays 16-bit, outside the scale)
     qn_off = b * stride_qn_b + heads * stride_qn_h
     qp_off = b * stride_qp_b + heads * stride_qp_h
-    if DS_W:  # bf16 query (Q_SPLIT: hi + lo), no scale: the keys are widened to bf16 with theirs
-        qh0, ql0 = _q_bf16(q_nope_ptr, qn_off, hmask, 0, 128, Q_SPLIT, EMU)
-        qh1, ql1 = _q_bf16(q_nope_ptr, qn_off, hmask, 128, 128, Q_SPLIT, EMU)
-        qh2, ql2 = _q_bf16(q_nope_ptr, qn_off, hmask, 256, 128, Q_SPLIT, EMU)
-        qh3, ql3 = _q_bf16(q_nope_ptr, qn_off, hmask, 384, 128, Q_SPLIT, EMU)
-        qph, qpl = _q_bf16(q_pe_ptr, qp_off, hmask, 0, 64, Q_SPLIT, EMU)
+    if DS_W:  # bf16 query, no scale: the keys are widened to bf16 with theirs
+        qh0 = _q_bf16(q_nope_ptr, qn_off, hmask, 0, 128, EMU)
+        qh1 = _q_bf16(q_nope_ptr, qn_off, hmask, 128, 128, EMU)
+        qh2 = _q_bf16(q_nope_ptr, qn_off, hmask, 256, 128, EMU)
+        qh3 = _q_bf16(q_nope_ptr, qn_off, hmask, 384, 128, EMU)
+        qph = _q_bf16(q_pe_ptr, qp_off, hmask, 0, 64, EMU)
     elif Q_PRE:  # quantized by _quantize_q_kernel: [B, H, 2, 576] e4m3 (hi | lo) and [B, H] scales
         q8_off = (b * H + heads) * 1152
         q_sc = tl.load(qsc_ptr + b * H + heads, mask=hmask, other=1.0)
@@ -366,11 +359,11 @@ def _mla_decode_fp8_rows_kernel(
             kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
             if EMU:
                 kr = kr.to(tl.float32)
-            s = _qk16(qph, qpl, kr, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_SPLIT)
-            s = _qk16(qh0, ql0, w0, s, Q_SPLIT)
-            s = _qk16(qh1, ql1, w1, s, Q_SPLIT)
-            s = _qk16(qh2, ql2, w2, s, Q_SPLIT)
-            s = _qk16(qh3, ql3, w3, s, Q_SPLIT)
+            s = _qk16(qph, kr, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32))
+            s = _qk16(qh0, w0, s)
+            s = _qk16(qh1, w1, s)
+            s = _qk16(qh2, w2, s)
+            s = _qk16(qh3, w3, s)
         elif DS:
             sw = kvs_ptr + rows * (ROW // 4) + 128
             sc0 = tl.load(sw, mask=nmask, other=0.0)  # [BLOCK_N] fp32, power-of-two group scales
@@ -463,7 +456,26 @@ def gpu_config(kv_layout: str, block_h: int, ds_scales: str = "widen") -> dict:
     return cfg
 
 
-def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales):
+@dataclass(frozen=True)
+class RowsConfig:
+    """The options of one call resolved (``rows_config``): what a batch's plan launches every layer.
+
+    kernel:   constexprs and launch options of ``_mla_decode_fp8_rows_kernel`` that neither the batch
+              nor the split count changes (ROW, DS, DS_W, BLOCK_N, BLOCK_H, Q_SPLIT, PV, P_SPLIT, EMU,
+              Q_PRE, num_warps, num_stages)
+    quantize: those of ``_quantize_q_kernel``, or None when the kernel reads the 16-bit query itself
+    """
+
+    kv_layout: str
+    block_h: int
+    block_n: int
+    ctas_per_sm: float
+    kernel: dict
+    quantize: dict | None
+    q_block: int  # heads per program of the query launch
+
+
+def check_options(kv_layout: str, precision: str, pv: str | None, ds_scales: str) -> None:
     if kv_layout not in LAYOUT_ROW:
         raise ValueError(f"mla_decode_fp8_rows: kv_layout={kv_layout!r}; allowed {list(LAYOUT_ROW)}")
     if ds_scales not in DS_SCALES:
@@ -475,18 +487,105 @@ def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales):
         raise ValueError(f"mla_decode_fp8_rows: precision={precision!r}; allowed {list(PRECISIONS)}")
     if pv is not None and pv not in PV_MODES:
         raise ValueError(f"mla_decode_fp8_rows: pv={pv!r}; allowed {list(PV_MODES)}")
+
+
+def rows_config(kv_layout: str, precision: str, heads: int, device, *, pv: str | None = None,
+                block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, ctas_per_sm: float | None = None, q_pre: bool | None = None,
+                ds_scales: str = "widen") -> RowsConfig:
+    """``mla_decode_fp8_rows``'s options (its docstring) resolved for ``heads`` heads on ``device``."""
+    check_options(kv_layout, precision, pv, ds_scales)
+    on_gpu = torch.device(device).type == "cuda"
+    ds = kv_layout == "fp8_ds_mla"
+    block_h = pick_block_h(heads, block_h)
+    if block_h > 64:
+        raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
+    ds_w = ds and ds_scales == "widen"
+    cfg = gpu_config(kv_layout, block_h, ds_scales)
+    if not on_gpu:
+        cfg.update(block_n=64, num_stages=1)
+    given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    bn = cfg["block_n"]
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"mla_decode_fp8_rows: block_n={bn}; allowed powers of two >= 16")
+    if num_warps is None:
+        num_warps = 8 if block_h >= 64 else 4
+    accurate = precision == "accurate"
+    pv_mode = PV_MODES[cfg["pv"]]
+    q_pre = bool(cfg["q_pre"]) and not ds_w  # ds_w reads the 16-bit query itself
+    kernel = dict(ROW=LAYOUT_ROW[kv_layout], DS=ds, DS_W=ds_w, BLOCK_N=bn, BLOCK_H=block_h,
+                  Q_SPLIT=accurate and not ds_w, PV=pv_mode, P_SPLIT=accurate and (pv_mode == 0 or ds_w),
+                  EMU=not on_gpu, Q_PRE=q_pre, num_warps=num_warps, num_stages=cfg["num_stages"])
+    quantize = dict(DS=ds, Q_SPLIT=accurate, EMU=not on_gpu, num_warps=4) if q_pre else None
+    return RowsConfig(kv_layout, block_h, bn, cfg["ctas_per_sm"], kernel, quantize, 16 if on_gpu else 64)
+
+
+def rows_views(kv_rows: torch.Tensor, kv_layout: str) -> tuple:
+    """The same bytes as the kernel reads them: (e4m3 rows, fp32 words, bf16 halves); per-tensor rows
+    are read as e4m3 only."""
+    kv8 = kv_rows.view(torch.float8_e4m3fn)
+    if kv_layout != "fp8_ds_mla":
+        return kv8, kv8, kv8
+    return kv8, kv_rows.view(torch.float32), kv_rows.view(torch.bfloat16)
+
+
+def quantize_query(cfg: RowsConfig, q_nope, q_pe, q8, qsc) -> None:
+    """Launch the query's quantization (cfg.quantize not None): q_nope [B, H, 512], q_pe [B, H, 64] ->
+    q8 [B, H, 2, 576] float8_e4m3fn (hi | lo terms) and qsc [B, H] float32, both preallocated."""
+    B, H, _ = q_nope.shape
+    _quantize_q_kernel[(B, triton.cdiv(H, cfg.q_block))](
+        q_nope, q_pe, q8, qsc, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        BLOCK_H=cfg.q_block, **cfg.quantize)
+
+
+def launch_rows(cfg: RowsConfig, q_nope, q_pe, views: tuple, kv_indptr, kv_indices, kv_lens, tok, q8, qsc,
+                o_buf, lse_buf, qk_scale: float, out_scale: float, num_splits: int, topk: int, *, sparse: bool,
+                page: int, direct: bool) -> None:
+    """Launch the decode kernel, no checks (``mla_decode_fp8_rows`` checks; a plan checks once).
+
+    views: ``rows_views`` of the layer. Dense: kv_indptr [B + 1], kv_indices [nnz], kv_lens [B] int32,
+    page = page_size, topk = 0 (tok: any int32 tensor). Sparse: tok [B, topk] int32 contiguous,
+    page = 1 (the page table arguments are not read: any int32 tensor). q8 / qsc: the quantized
+    query (cfg.quantize) or any float32 tensor. o_buf / lse_buf: out [B, H, 512] q dtype and lse
+    [B, H] float32 (direct) or the partials [B, H, S, 512], [B, H, S] float32.
+    qk_scale = sm_scale * k_scale * log2(e); out_scale = k_scale / 256 (read when direct)."""
+    B, H, _ = q_nope.shape
+    kv8, kvs, kvr = views
+    _mla_decode_fp8_rows_kernel[(B, triton.cdiv(H, cfg.block_h), num_splits)](
+        q_nope, q_pe, kv8, kvs, kvr, kv_indptr, kv_indices, kv_lens, tok, q8, qsc, o_buf, lse_buf,
+        qk_scale, out_scale, H, num_splits, topk,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
+        SPARSE=sparse, PAGE=page, DIRECT=direct, **cfg.kernel)
+
+
+def check_query(q_nope, q_pe):
+    """Raise ValueError naming what is wrong with the query; returns (B, H)."""
     if q_nope.dim() != 3 or q_nope.shape[-1] != 512:
         raise ValueError(f"mla_decode_fp8_rows: q_nope must be [B, H, 512], got {tuple(q_nope.shape)}")
     B, H, _ = q_nope.shape
     if q_pe.shape != (B, H, 64):
         raise ValueError(f"mla_decode_fp8_rows: q_pe must be [{B}, {H}, 64], got {tuple(q_pe.shape)}")
-    if q_nope.dtype not in (torch.bfloat16, torch.float16) or q_pe.dtype != q_nope.dtype:
+    check_heads(H, q_nope.dtype)
+    if q_pe.dtype != q_nope.dtype:
         raise ValueError(f"mla_decode_fp8_rows: q_nope/q_pe dtypes {q_nope.dtype}/{q_pe.dtype}; allowed "
                          "bfloat16 or float16, the same for both")
     if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("mla_decode_fp8_rows: q_nope and q_pe need a contiguous last dim")
+    if q_pe.device != q_nope.device:
+        raise ValueError(f"mla_decode_fp8_rows: q_pe is on {q_pe.device}, q_nope on {q_nope.device}")
+    return B, H
+
+
+def check_heads(H: int, q_dtype) -> None:
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"mla_decode_fp8_rows: query dtype {q_dtype}; allowed bfloat16 or float16")
     if not 1 <= H <= 128:
         raise ValueError(f"mla_decode_fp8_rows: q_nope has {H} heads; allowed 1..128")
+
+
+def check_rows(kv_rows, kv_layout: str, device) -> None:
+    """kv_rows must be ``KVPool.rows(layer)`` of ``kv_layout`` on ``device``: contiguous, 16-byte aligned."""
     row = LAYOUT_ROW[kv_layout]
     want = torch.float8_e4m3fn if kv_layout == "fp8_per_tensor" else torch.uint8
     if kv_rows.dim() != 2 or kv_rows.shape[1] != row or kv_rows.dtype != want:
@@ -495,19 +594,26 @@ def _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales):
     if kv_rows.stride() != (row, 1) or kv_rows.storage_offset() % 16:
         raise ValueError(f"mla_decode_fp8_rows: kv_rows must be contiguous rows, 16-byte aligned "
                          f"(strides {tuple(kv_rows.stride())}, offset {kv_rows.storage_offset()})")
-    for name, t in (("q_pe", q_pe), ("kv_rows", kv_rows)):
-        if t.device != q_nope.device:
-            raise ValueError(f"mla_decode_fp8_rows: {name} is on {t.device}, q_nope on {q_nope.device}")
-    return B, H
+    if kv_rows.device != torch.device(device):
+        raise ValueError(f"mla_decode_fp8_rows: kv_rows is on {kv_rows.device}, q_nope on {device}")
 
 
-def _int32(name, t, shape, device):
+def check_int32(name, t, shape, device):
+    """``t`` as the kernel reads it: an int32 tensor on ``device`` of ``shape`` (None: any), contiguous."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device:
         raise ValueError(f"mla_decode_fp8_rows: {name} must be an int32 tensor on {device}, got "
                          f"{getattr(t, 'dtype', type(t).__name__)}")
     if shape is not None and tuple(t.shape) != shape:
         raise ValueError(f"mla_decode_fp8_rows: {name} must have shape {shape}, got {tuple(t.shape)}")
     return t.contiguous()
+
+
+def check_page_size(page_size, kv_rows) -> None:
+    if page_size is None or page_size < 1 or page_size > 128 or page_size & (page_size - 1):
+        raise ValueError(f"mla_decode_fp8_rows: page_size={page_size}; allowed powers of two 1..128")
+    if kv_rows.shape[0] % page_size:
+        raise ValueError(f"mla_decode_fp8_rows: kv_rows has {kv_rows.shape[0]} rows, "
+                         f"not whole pages of page_size={page_size}")
 
 
 def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, *, sm_scale: float,
@@ -556,74 +662,41 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     of partials written and read back by ``mla_merge``; the query launch (q_pre) writes and the
     decode reads B * H * (1152 + 4) bytes.
     """
-    B, H = _check(q_nope, q_pe, kv_rows, kv_layout, precision, pv, ds_scales)
+    check_options(kv_layout, precision, pv, ds_scales)
+    B, H = check_query(q_nope, q_pe)
     dev = q_nope.device
-    on_gpu = dev.type == "cuda"
-    ds = kv_layout == "fp8_ds_mla"
-    if ds and k_scale != 1.0:
+    check_rows(kv_rows, kv_layout, dev)
+    if kv_layout == "fp8_ds_mla" and k_scale != 1.0:
         raise ValueError(f"mla_decode_fp8_rows: k_scale={k_scale}; fp8_ds_mla rows carry their own scales (use 1.0)")
     sparse = token_indices is not None
     if sparse:
         if token_indices.dim() != 2 or token_indices.shape[0] != B:
             raise ValueError(f"mla_decode_fp8_rows: token_indices must be [{B}, topk], "
                              f"got {tuple(token_indices.shape)}")
-        tok = _int32("token_indices", token_indices, None, dev)
-        topk = tok.shape[1]
-        max_len = topk
+        tok = check_int32("token_indices", token_indices, None, dev)
+        topk = max_len = tok.shape[1]
         indptr = indices = lens = tok
         page = 1
     else:
-        if page_size is None or page_size < 1 or page_size > 128 or page_size & (page_size - 1):
-            raise ValueError(f"mla_decode_fp8_rows: page_size={page_size}; allowed powers of two 1..128")
-        if kv_rows.shape[0] % page_size:
-            raise ValueError(f"mla_decode_fp8_rows: kv_rows has {kv_rows.shape[0]} rows, "
-                             f"not whole pages of page_size={page_size}")
-        indptr = _int32("kv_indptr", kv_indptr, (B + 1,), dev)
-        lens = _int32("kv_lens", kv_lens, (B,), dev)
-        indices = _int32("kv_indices", kv_indices, None, dev)
+        check_page_size(page_size, kv_rows)
+        indptr = check_int32("kv_indptr", kv_indptr, (B + 1,), dev)
+        lens = check_int32("kv_lens", kv_lens, (B,), dev)
+        indices = check_int32("kv_indices", kv_indices, None, dev)
         tok, topk, page = lens, 0, page_size
-    block_h = pick_block_h(H, block_h)
-    if block_h > 64:
-        raise ValueError(f"mla_decode_fp8_rows: block_h={block_h}; allowed powers of two 16..64")
-    ds_w = ds and ds_scales == "widen"
-    cfg = gpu_config(kv_layout, block_h, ds_scales)
-    if not on_gpu:
-        cfg.update(block_n=64, num_stages=1)
-    given = dict(pv=pv, block_n=block_n, num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre)
-    cfg.update({k: v for k, v in given.items() if v is not None})
-    bn = cfg["block_n"]
-    if bn < 16 or bn & (bn - 1):
-        raise ValueError(f"mla_decode_fp8_rows: block_n={bn}; allowed powers of two >= 16")
-    if num_warps is None:
-        num_warps = 8 if block_h >= 64 else 4
-    head_blocks = triton.cdiv(H, block_h)
-    num_splits = resolve_splits("mla_decode_fp8_rows", num_splits, B, head_blocks, lens, max_len, bn, dev,
-                                cfg["ctas_per_sm"])
-    accurate = precision == "accurate"
-    pv_mode = PV_MODES[cfg["pv"]]
-    out_scale = float(k_scale) / P_SCALE
+    cfg = rows_config(kv_layout, precision, H, dev, pv=pv, block_n=block_n, block_h=block_h, num_warps=num_warps,
+                      num_stages=num_stages, ctas_per_sm=ctas_per_sm, q_pre=q_pre, ds_scales=ds_scales)
+    num_splits = resolve_splits("mla_decode_fp8_rows", num_splits, B, triton.cdiv(H, cfg.block_h), lens, max_len,
+                                cfg.block_n, dev, cfg.ctas_per_sm)
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     q8 = qsc = lse_buf
-    if cfg["q_pre"] and not ds_w:  # ds_w reads the 16-bit query itself
+    if cfg.quantize is not None:
         q8 = torch.empty(B, H, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
         qsc = torch.empty(B, H, dtype=torch.float32, device=dev)
-        bq = 16 if on_gpu else 64
-        _quantize_q_kernel[(B, triton.cdiv(H, bq))](
-            q_nope, q_pe, q8, qsc, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            DS=ds, Q_SPLIT=accurate, EMU=not on_gpu, BLOCK_H=bq, num_warps=4)
-    kv8 = kv_rows.view(torch.float8_e4m3fn)
-    kvs = kv_rows.view(torch.float32) if ds else kv8  # the same bytes; the kernel reads what its layout has
-    kvr = kv_rows.view(torch.bfloat16) if ds else kv8
-    _mla_decode_fp8_rows_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv8, kvs, kvr, indptr, indices, lens, tok, q8, qsc, o_buf, lse_buf,
-        float(sm_scale) * float(k_scale) * LOG2E, out_scale, H, num_splits, topk,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        ROW=LAYOUT_ROW[kv_layout], DS=ds, DS_W=ds_w, SPARSE=sparse, PAGE=page, BLOCK_N=bn, BLOCK_H=block_h, DIRECT=direct,
-        Q_SPLIT=accurate and not ds_w, PV=pv_mode, P_SPLIT=accurate and (pv_mode == 0 or ds_w), EMU=not on_gpu,
-        Q_PRE=bool(cfg["q_pre"]) and not ds_w,
-        num_warps=num_warps, num_stages=cfg["num_stages"],
-    )
+        quantize_query(cfg, q_nope, q_pe, q8, qsc)
+    launch_rows(cfg, q_nope, q_pe, rows_views(kv_rows, kv_layout), indptr, indices, lens, tok, q8, qsc, o_buf,
+                lse_buf, float(sm_scale) * float(k_scale) * LOG2E, float(k_scale) / P_SCALE, num_splits, topk,
+                sparse=sparse, page=page, direct=direct)
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))
     return (out, lse) if return_lse else out

@@ -116,7 +116,8 @@ def fp8_native_triton_q8(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBa
 def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
     """FP8 pages by TMA, FP8 query and FP8 probabilities: both products on FP8 tensor cores."""
     return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                                sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len)
+                                sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len,
+                                token_indices=batch.token_indices)
 
 
 def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
@@ -158,8 +159,9 @@ register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_t
                       "query; the fastest dense kernel of ours at 64-128 heads there"))
 register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon,
                  planner=triton_plans.gluon, kv_dtypes=("fp8_e4m3",),
-                 kv_layouts=("fp8_per_tensor",), precision="fast",
-                 min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128), max_heads=GLUON_MAX_HEADS,
+                 kv_layouts=("fp8_per_tensor",), precision="fast", sparse=True,
+                 min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128),
+                 sparse_page_sizes=ALL_PAGE_SIZES, max_heads=GLUON_MAX_HEADS,
                  runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
                  note="V^T is a register operand (no 16-bit copy of V); q and p in e4m3: 2.7-2.8e-2 "
                       "relative error (H200, run 6)"))
@@ -191,7 +193,8 @@ def _fp8_rows(precision: str):
 for _name, _prec, _how in (("triton_rows", "fast", "e4m3 query, FP8 score dots, V widened to fp16 for P.V"),
                            ("triton_rows_acc", "accurate", "query as hi + lo e4m3 terms (two FP8 score dots), "
                                                            "V widened to fp16 for P.V")):
-    register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_rows(_prec), kv_dtypes=("fp8_e4m3",),
+    register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_rows(_prec),
+                     planner=triton_plans.fp8_rows(_prec), kv_dtypes=("fp8_e4m3",),
                      kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), precision=_prec, dense=True, sparse=True,
                      min_capability=FP8_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,
                      kernel=f"Triton mla_decode_fp8_rows: rows by id, {_how}",

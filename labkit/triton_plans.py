@@ -6,7 +6,7 @@ each layer's view and ``k_scale`` (host floats), the compact page table of ``gat
 layer's ``run`` then allocates its output and launches the same kernels with the same arguments
 as the checked launchers (``mla_decode``, ``mla_decode_fp8``): equal outputs, less host time,
 nothing a CUDA graph cannot capture. A planner returns None (the backend's ``fn`` runs) for what it does not plan:
-sparse batches and the ``fp8_ds_mla`` layout.
+sparse batches and the ``fp8_ds_mla`` layout, except ``RowsPlan`` (the rows kernels), which plans both.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, r
 from labkit.kernels.mla_decode_fp8 import (CVT_MODES, P_SCALE, _mla_decode_fp8_kernel, default_config,
                                            quantize_q_fp8)
 from labkit.kernels import mla_decode_fp8_gluon as G
+from labkit.kernels import mla_decode_fp8_rows as R
 
 from .kvpool import DecodeBatch, KVPool
 
@@ -153,29 +154,110 @@ def fp8_native(q_fp8: bool):
 def gluon(pool, batch, num_heads, sm_scale, q_dtype):
     """``mla_decode_fp8_gluon`` planned: its rules checked once, then the same kernel launched with
     the launcher's arguments and defaults (``GPU_CONFIG``), partials and merge from ``SplitKV``."""
-    if not _plannable(pool, batch):
+    if pool.kv_layout == "fp8_ds_mla":  # refused by the backend's rules
         return None
-    G.check_gluon_args(num_heads, pool.page_size, pool.device)
+    sparse = bool(batch.topk)
+    G.check_gluon_args(num_heads, pool.page_size, pool.device, sparse)
     views, scales = _layers(pool)
     block_h, num_warps, cfg = G.block_config(num_heads)
     head_blocks = -(-num_heads // block_h)
-    s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens, batch.max_len,
-                       G.BLOCK_N, pool.device, cfg["ctas_per_sm"])
+    s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
+                       batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"])
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
     num_rows = pool.num_pages * pool.page_size
     b = batch
 
-    def run(q_nope, q_pe, layer, _b):
+    def run(q_nope, q_pe, layer, b_layer):
         kv, k_scale = views[layer], scales[layer]
+        tok = b_layer.token_indices if sparse else b.kv_lens  # this layer's [B, topk] slots
 
         def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
             G._mla_decode_fp8_gluon_kernel[(b.batch_size, head_blocks, s)](
-                q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk, o_buf, lse_buf,
                 float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
                 q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
                 PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"],
-                NUM_WARPS=num_warps, num_warps=num_warps)
+                NUM_WARPS=num_warps, SPARSE=sparse, num_warps=num_warps)
 
         return split.run(stage1, k_scale)
     return run
+
+
+class RowsPlan:
+    """``mla_decode_fp8_rows`` (backends ``fp8_native.triton_rows`` / ``_acc``) planned for one batch,
+    dense or sparse, either FP8 layout; checked here once, launches only per layer.
+
+    Fixed here: the kernel's config (``rows_config``: tiles, constexprs, warps), each layer's row views
+    and host k_scale, the int32 page table (dense), the split count (host lengths, or topk: no device
+    read), the query buffers q8 [B, H, 2, 576] e4m3 and qsc [B, H] fp32 (shared by the layers: launches
+    on one stream run in order), the partials and the merge (``SplitKV``). A sparse call takes the
+    layer's slots from ``batch.token_indices`` ([B, topk] int32, contiguous), trusted as given.
+    ``num_splits`` (None: the launcher's default) fixes the split count, as the launcher's argument.
+    """
+
+    def __init__(self, pool: KVPool, batch: DecodeBatch, num_heads: int, sm_scale: float, q_dtype, precision: str,
+                 num_splits: int | None = None):
+        dev, layout, B = pool.device, pool.kv_layout, batch.batch_size
+        R.check_heads(num_heads, q_dtype)
+        self.cfg = R.rows_config(layout, precision, num_heads, dev)
+        rows = [pool.rows(i) for i in range(pool.num_layers)]
+        for r in rows:
+            R.check_rows(r, layout, dev)
+        self.views = [R.rows_views(r, layout) for r in rows]
+        ds = layout == "fp8_ds_mla"  # its rows carry their own scales
+        self.k_scales = [1.0] * pool.num_layers if ds else [float(s) for s in pool.k_scale.tolist()]
+        self.qk_scales = [float(sm_scale) * k * LOG2E for k in self.k_scales]
+        self.sparse = bool(batch.topk)
+        if self.sparse:
+            _check_slots(batch.token_indices, B, dev)
+            self.table, self.page, max_len = None, 1, batch.topk
+        else:
+            R.check_page_size(pool.page_size, rows[0])
+            self.table = (R.check_int32("kv_indptr", batch.kv_indptr, (B + 1,), dev),
+                          R.check_int32("kv_indices", batch.kv_indices, None, dev),
+                          R.check_int32("kv_lens", batch.kv_lens, (B,), dev))
+            self.page, max_len = pool.page_size, batch.max_len
+        s = resolve_splits("mla_decode_fp8_rows", num_splits, B, triton.cdiv(num_heads, self.cfg.block_h), None,
+                           max_len, self.cfg.block_n, dev, self.cfg.ctas_per_sm)
+        self.split = SplitKV.make(B, num_heads, s, q_dtype, dev)
+        self.q8 = self.qsc = self.split.lse  # read by nothing when the kernel quantizes or widens the query
+        if self.cfg.quantize is not None:
+            self.q8 = torch.empty(B, num_heads, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
+            self.qsc = torch.empty(B, num_heads, dtype=torch.float32, device=dev)
+
+    def __call__(self, q_nope, q_pe, layer: int, batch: DecodeBatch):
+        """q_nope [B, H, 512], q_pe [B, H, 64] of the planned dtype -> out [B, H, 512]."""
+        cfg, k_scale = self.cfg, self.k_scales[layer]
+        if self.sparse:
+            tok = batch.token_indices
+            table, topk = (tok, tok, tok), tok.shape[1]  # the page table is not read: any int32 tensor
+        else:
+            table, topk = self.table, 0
+            tok = table[2]
+
+        def stage1(o_buf, lse_buf, direct):
+            if cfg.quantize is not None:
+                R.quantize_query(cfg, q_nope, q_pe, self.q8, self.qsc)
+            R.launch_rows(cfg, q_nope, q_pe, self.views[layer], *table, tok, self.q8, self.qsc, o_buf, lse_buf,
+                          self.qk_scales[layer], k_scale / R.P_SCALE, self.split.num_splits, topk,
+                          sparse=self.sparse, page=self.page, direct=direct)
+
+        return self.split.run(stage1, k_scale)
+
+
+def _check_slots(token_indices: torch.Tensor, batch_size: int, device) -> None:
+    """A sparse batch's slots as the rows kernel reads them: int32 [B, topk] or [num_layers, B, topk],
+    contiguous, on the pool's device (each layer's [B, topk] is then contiguous too)."""
+    t = token_indices
+    if t.dtype != torch.int32 or t.device != device or t.dim() not in (2, 3) or t.shape[-2] != batch_size \
+            or not t.is_contiguous():
+        raise ValueError(f"token_indices must be a contiguous int32 [{batch_size}, topk] or [num_layers, "
+                         f"{batch_size}, topk] tensor on {device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def fp8_rows(precision: str):
+    """Planner of the rows kernel at ``precision`` ("fast" or "accurate") with its default config."""
+    def planner(pool, batch, num_heads, sm_scale, q_dtype):
+        return RowsPlan(pool, batch, num_heads, sm_scale, q_dtype, precision)
+    return planner
