@@ -55,4 +55,6 @@ def test_every_backend_captures_in_a_cuda_graph(layout, sparse):
             # the same launches replayed: equal up to the order of any atomic reductions
             assert reference.rel_err(o, e) < (1e-3 if b.impl == "flashinfer" else 1e-6), name
         captured.append(name)
-    assert captured or layout == "fp8_ds_mla", "no backend allowed this call"
+    assert captured, "no backend allowed this call"
+    if layout != "bf16":  # the rows kernels (planned) read both FP8 layouts, dense and sparse
+        assert {"fp8_native.triton_rows", "fp8_native.triton_rows_acc"} <= set(captured), captured
