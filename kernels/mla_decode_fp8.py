@@ -5,24 +5,21 @@ memory: each tile is loaded as FP8 (16-byte loads) and widened in registers; the
 copy of KV anywhere. The per-tensor scales never touch the tile: ``k_scale`` is folded into the
 softmax scale and ``v_scale`` into the output, so the widening is exact.
 
-Variants (constexpr, chosen by the launcher; ``scripts/gpu_kernels.py`` times them side by side):
-  CVT      how an FP8 tile is widened for the 16-bit dots:
-           0 "f32"  fp8 -> fp32 and fp32 dots (the CPU interpreter: its 16-bit dots are wrong)
-           1 "f16"  ``.to(fp16)`` (native cvt on sm_89+); Triton moves it after the shared-memory
-                    load, so p @ v reads the FP8 tile byte by byte (LDS.U8) and converts twice
-           2 "asm"  the same cvt as non-pure inline PTX: converted once, in registers, and the
-                    fp16 tile goes through shared memory to ldmatrix (no byte loads)
-           3 "bf16" ``.to(bf16)``: the study's obvious kernel, for comparison
+Variants (constexpr, chosen by the launcher from ``default_config``):
+  F32      the CPU interpreter (its 16-bit dots are wrong): FP8 tiles widened to fp32, fp32 dots.
+           On the GPU a tile is widened to fp16 by ``cvt.rn.f16x2.e4m3x2`` as non-pure inline PTX:
+           converted once, in registers, the fp16 tile going through shared memory to ldmatrix
+           (a plain ``.to()`` is moved after the shared-memory load by Triton, so p @ v read the
+           FP8 tile byte by byte: docs/perf-notes.md, v1 and v2)
   Q_FP8    scores by an FP8 tl.dot (the trtllm_mla path; wgmma QGMMA with SWAP): ~3e-2 rel. error.
            one scale per (request, head block): amax of the program's q tile / 448.
            2: each program quantizes its own q tile in registers: no extra launch (GPU);
            1: the same quantization by torch in the launcher (the CPU interpreter's f32 -> fp8
               casts are wrong), scales read from q_scale_ptr
-  PV_FP8   p * 256 quantized to FP8 and p @ v by an FP8 tl.dot (GPU only)
   SWAP     0: s = q @ K^T (heads on the MMA's M side: mma.sync for BLOCK_H < 64);
-           1: s^T = K @ q^T (tokens on M: wgmma for few heads); 2: also out^T = V^T @ p^T
-  PREFETCH load tile i + 1 into registers while tile i is computed (Triton's own pipeliner keeps a
-           single shared-memory buffer for these tiles and waits for it at the top of each tile)
+           1: s^T = K @ q^T (tokens on M: wgmma for few heads)
+The variants no default took (``.to(bf16/fp16)`` widening, register prefetch, out^T = V^T @ p^T,
+an FP8 p @ v) are in the git history and docs/perf-notes.md, with their measurements.
 """
 from __future__ import annotations
 
@@ -34,82 +31,24 @@ from .mla_decode import (LOG2E, check_decode_args, decode_buffers, pick_block_h,
                          resolve_splits)
 from .mla_merge import mla_merge, round_to_bf16
 
-CVT_MODES = {"f32": 0, "f16": 1, "asm": 2, "bf16": 3}
-P_SCALE = 256.0  # PV_FP8: p in [0, 1] is stored as p * 256 in e4m3 (max 448): normal down to 6e-5
 E4M3_MAX = 448.0
 
 
 @triton.jit
-def _widen(x, CVT: tl.constexpr):
-    """An FP8 tile in the dtype of the dots; see CVT in the module docstring."""
-    if CVT == 0:
+def _widen(x, F32: tl.constexpr):
+    """An FP8 tile in the dtype of the dots: fp32 under F32, else fp16 by the cvt as non-pure inline
+    PTX (Triton cannot move it past the shared-memory load, where fp8 would be read byte by byte)."""
+    if F32:
         return x.to(tl.float32)
-    elif CVT == 1:
-        return x.to(tl.float16)
-    elif CVT == 3:
-        return x.to(tl.bfloat16)
-    else:  # 2 "asm": the same cvt as inline PTX; not pure, so Triton cannot move it past the
-        # shared-memory load (fp8 in smem would then be read byte by byte for p @ v)
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-            is_pure=False, pack=4)
-
-
-@triton.jit
-def _widen_words(w):
-    """[N, M] int32, each 4 FP8 values (little-endian) -> [N, 4 * M] fp16, converted in registers."""
-    a, b, c, d = tl.inline_asm_elementwise(
+    return tl.inline_asm_elementwise(
         asm="""{
         .reg .b16 lo, hi;
-        .reg .b32 t0, t1;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 t0, lo;
-        cvt.rn.f16x2.e4m3x2 t1, hi;
-        mov.b32 {$0, $1}, t0;
-        mov.b32 {$2, $3}, t1;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
         }""",
-        constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True, pack=1)
-    x = tl.join(tl.join(a, c), tl.join(b, d))  # join adds the LAST dim: [m, j // 2, j % 2] = byte j
-    return tl.reshape(x, [w.shape[0], 4 * w.shape[1]])
-
-
-@triton.jit
-def _words_to_fp8(w):
-    """[N, M] int32 -> [N, 4 * M] fp8 e4m3 (byte j of word m is value 4 m + j)."""
-    b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # join adds the LAST dim: [m, j // 2, j % 2] = byte j
-    return tl.reshape(x, [w.shape[0], 4 * w.shape[1]])
-
-
-@triton.jit
-def _load_words(kvw_ptr, kv_indices_ptr, page_base, n0, end, stride_page_w, PAGE: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """Tokens n0 .. n0 + BLOCK_N of a request as int32 words (4 FP8 values each): ckv [BLOCK_N, 128],
-    kpe [BLOCK_N, 16], and the mask of tokens < end. A packed tile stays 1 register per 4 values
-    across loop iterations (an FP8 tile carried by the loop would take one register per value)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    nmask = offs_n < end
-    if PAGE >= BLOCK_N:
-        page = tl.load(kv_indices_ptr + page_base + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
-        rows = page * stride_page_w + (offs_n % PAGE) * 144
-    else:
-        page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE, mask=nmask, other=0)
-        rows = page.to(tl.int64) * stride_page_w + (offs_n % PAGE) * 144
-    wc = tl.arange(0, 128)
-    wp = tl.arange(0, 16)
-    ckw = tl.load(kvw_ptr + rows[:, None] + wc[None, :], mask=nmask[:, None], other=0)
-    kpw = tl.load(kvw_ptr + rows[:, None] + 128 + wp[None, :], mask=nmask[:, None], other=0)
-    return ckw, kpw, nmask
+        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+        is_pure=False, pack=4)
 
 
 @triton.jit
@@ -138,7 +77,7 @@ def _mla_decode_fp8_kernel(
     lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
     q_scale_ptr,  # *f32 [B, head blocks] scales of an FP8 query (read when Q_FP8 == 1): no host sync
     qk_scale,  # sm_scale * k_scale * log2(e)
-    out_scale,  # v_scale (/ 256 when PV_FP8); DIRECT only
+    out_scale,  # v_scale; DIRECT only
     H,
     num_splits,  # S
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -148,11 +87,9 @@ def _mla_decode_fp8_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile
     BLOCK_H: tl.constexpr,  # heads per program (>= 16)
     DIRECT: tl.constexpr,  # one split: write the final output and natural-log lse
-    CVT: tl.constexpr,  # 0 f32 | 1 f16 | 2 asm | 3 bf16
+    F32: tl.constexpr,  # the interpreter: fp32 tiles and dots
     Q_FP8: tl.constexpr,  # scores by an FP8 dot: 0 no, 1 q given in FP8, 2 quantized here
-    PV_FP8: tl.constexpr,  # p @ v by an FP8 dot
-    SWAP: tl.constexpr,  # 0: q @ K^T, p @ V; 1: scores as K @ q^T; 2: also out^T = V^T @ p^T
-    PREFETCH: tl.constexpr,  # load tile i + 1 into registers while tile i is computed
+    SWAP: tl.constexpr,  # 0: q @ K^T; 1: scores as K @ q^T (p @ V either way)
 ):
     DC: tl.constexpr = 512
     DP: tl.constexpr = 64
@@ -188,95 +125,46 @@ def _mla_decode_fp8_kernel(
         q_n = (q_n.to(tl.float32) / q_sc).to(tl.float8e4nv)
         q_p = (q_p.to(tl.float32) / q_sc).to(tl.float8e4nv)
         qk_scale = qk_scale * q_sc
-    elif CVT == 0:
+    elif F32:
         q_n = q_n.to(tl.float32)
         q_p = q_p.to(tl.float32)
-    elif CVT == 3:
-        q_n = q_n.to(tl.bfloat16)
-        q_p = q_p.to(tl.bfloat16)
     else:
         q_n = q_n.to(tl.float16)
         q_p = q_p.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if SWAP == 2:
-        acc = tl.zeros([DC, BLOCK_H], dtype=tl.float32)  # out^T
-    else:
-        acc = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    if PREFETCH:
-        kvw_ptr = kv_ptr.to(tl.pointer_type(tl.int32))
-        ckw_nx, kpw_nx, nmask_nx = _load_words(kvw_ptr, kv_indices_ptr, page_base, start, end, stride_page // 4,
-                                               PAGE, BLOCK_N)
+    acc = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            ckw = ckw_nx
-            kpw = kpw_nx
-            nmask = nmask_nx
-            ckw_nx, kpw_nx, nmask_nx = _load_words(kvw_ptr, kv_indices_ptr, page_base, n0 + BLOCK_N, end,
-                                                   stride_page // 4, PAGE, BLOCK_N)
-            if Q_FP8 or PV_FP8 or CVT != 2:
-                ckv8 = _words_to_fp8(ckw)
-                kpe8 = _words_to_fp8(kpw)
-            if CVT == 2:
-                c16 = _widen_words(ckw)
-                if not Q_FP8:
-                    k_p = _widen_words(kpw)
-            else:
-                c16 = _widen(ckv8, CVT)
-                if not Q_FP8:
-                    k_p = _widen(kpe8, CVT)
-        else:
-            rows, nmask = _tile_rows(kv_indices_ptr, page_base, n0, end, stride_page, PAGE, BLOCK_N)
-            ckv8 = tl.load(kv_ptr + rows[:, None] + dc[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 512]
-            kpe8 = tl.load(kv_ptr + rows[:, None] + DC + dp[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 64]
-            if not (Q_FP8 and PV_FP8):
-                c16 = _widen(ckv8, CVT)
-            if not Q_FP8:
-                k_p = _widen(kpe8, CVT)
-
+        rows, nmask = _tile_rows(kv_indices_ptr, page_base, n0, end, stride_page, PAGE, BLOCK_N)
+        ckv8 = tl.load(kv_ptr + rows[:, None] + dc[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 512]
+        kpe8 = tl.load(kv_ptr + rows[:, None] + DC + dp[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, 64]
+        v = _widen(ckv8, F32)
         if Q_FP8:  # fp8 x fp8 scores
             k_n = ckv8
             k_p = kpe8
         else:
-            k_n = c16
-        if PV_FP8:
-            v = ckv8
-        else:
-            v = c16
+            k_n = v
+            k_p = _widen(kpe8, F32)
 
-        if SWAP == 2:  # tokens on the rows: s^T [BLOCK_N, BLOCK_H], out^T [512, BLOCK_H]
-            s = tl.dot(k_n, q_n) + tl.dot(k_p, q_p)
-            s = tl.where(nmask[:, None], s * qk_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
+        if SWAP == 1:
+            s = tl.trans(tl.dot(k_n, q_n) + tl.dot(k_p, q_p))  # [BLOCK_H, BLOCK_N]
         else:
-            if SWAP == 1:
-                s = tl.trans(tl.dot(k_n, q_n) + tl.dot(k_p, q_p))  # [BLOCK_H, BLOCK_N]
-            else:
-                s = tl.dot(q_n, tl.trans(k_n)) + tl.dot(q_p, tl.trans(k_p))
-            s = tl.where(nmask[None, :], s * qk_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if PV_FP8:
-                pv = tl.dot((p * 256.0).to(tl.float8e4nv), v)
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            s = tl.dot(q_n, tl.trans(k_n)) + tl.dot(q_p, tl.trans(k_p))
+        s = tl.where(nmask[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     l_safe = tl.maximum(l_i, 1e-30)
     inv = tl.where(l_i > 0, 1.0 / l_safe, 0.0)
-    if SWAP == 2:
-        acc = tl.trans(acc)
     if DIRECT:
         out = acc * (inv * out_scale)[:, None]
-        if CVT == 0:  # the interpreter truncates fp32 -> bf16: round first (no-op for fp16 outputs)
+        if F32:  # the interpreter truncates fp32 -> bf16: round first (no-op for fp16 outputs)
             if o_ptr.dtype.element_ty == tl.bfloat16:
                 out = round_to_bf16(out)
         tl.store(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + dc[None, :],
@@ -309,14 +197,13 @@ def quantize_q_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, block_h: int):
 # the fastest checked variant per head class, with and without an FP8 query, and the CTAs per SM
 # its split count aims at. The FP8-query variants are the faster ones: they are the default.
 GPU_DEFAULTS = {
-    ("small_h", True): dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=1, prefetch=False, block_n=128,
-                            num_warps=8, num_stages=2, ctas_per_sm=2),  # fp8.q8_pipe128_swap1_w8
-    ("large_h", True): dict(cvt="asm", q_fp8=True, pv_fp8=False, swap=0, prefetch=False, block_n=64,
-                            num_warps=8, num_stages=2, ctas_per_sm=1),  # fp8.q8_pipe64
-    ("small_h", False): dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=64,
-                             num_warps=4, num_stages=3, ctas_per_sm=2),  # fp8.asm_pipe64
-    ("large_h", False): dict(cvt="asm", q_fp8=False, pv_fp8=False, swap=0, prefetch=False, block_n=64,
-                             num_warps=8, num_stages=2, ctas_per_sm=1),  # fp8.asm_pipe64 (64+ heads)
+    ("small_h", True): dict(q_fp8=True, swap=1, block_n=128, num_warps=8, num_stages=2,
+                            ctas_per_sm=2),  # fp8.q8_pipe128_swap1_w8
+    ("large_h", True): dict(q_fp8=True, swap=0, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1),  # fp8.q8_pipe64
+    ("small_h", False): dict(q_fp8=False, swap=0, block_n=64, num_warps=4, num_stages=3,
+                             ctas_per_sm=2),  # fp8.asm_pipe64
+    ("large_h", False): dict(q_fp8=False, swap=0, block_n=64, num_warps=8, num_stages=2,
+                             ctas_per_sm=1),  # fp8.asm_pipe64 (64+ heads)
 }
 
 
@@ -326,15 +213,14 @@ def default_config(H: int, on_gpu: bool, q_fp8: bool | None = None) -> dict:
     (interpreter) runs fp32 dots but keeps the FP8 query, so both compute the same function."""
     cfg = dict(GPU_DEFAULTS[("large_h" if H > 16 else "small_h", True if q_fp8 is None else bool(q_fp8))])
     if not on_gpu:
-        cfg.update(cvt="f32", pv_fp8=False, swap=0, prefetch=False, block_n=128, num_warps=4, num_stages=1)
+        cfg.update(swap=0, block_n=128, num_warps=4, num_stages=1)
     return cfg
 
 
 def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                    kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                    v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
-                   q_fp8: bool | None = None, cvt: str | None = None, pv_fp8: bool | None = None,
-                   swap: int | None = None, prefetch: bool | None = None, block_n: int | None = None,
+                   q_fp8: bool | None = None, swap: int | None = None, block_n: int | None = None,
                    block_h: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    max_len: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, dequantizing in registers.
@@ -352,8 +238,8 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     q_fp8 : quantize q to e4m3 (one scale per request and head block) and compute the scores
         with an FP8 dot: the GPU default (faster); costs 2.5-2.6e-2 relative error against the exact
         result instead of 1.7e-3 (measured on the H200, run 6). In registers on the GPU, by torch on the CPU.
-    cvt, pv_fp8, swap, prefetch : kernel variant (module docstring); None takes ``default_config``.
-        On the CPU (Triton interpreter) cvt is "f32" and pv_fp8 False whatever is asked.
+    swap : 0 or 1, the scores' orientation (module docstring); None takes ``default_config``.
+        On the CPU (Triton interpreter) tiles and dots are fp32.
     block_n, block_h, num_warps, num_stages, max_len : tuning; max_len (the longest kv_lens)
         saves a device->host read when num_splits is None.
 
@@ -370,31 +256,23 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
     dev = q_nope.device
     on_gpu = dev.type == "cuda"
     cfg = default_config(H, on_gpu, q_fp8)
-    given = dict(cvt=cvt, q_fp8=q_fp8, pv_fp8=pv_fp8, swap=swap, prefetch=prefetch, block_n=block_n,
-                 num_warps=num_warps, num_stages=num_stages)
+    given = dict(q_fp8=q_fp8, swap=swap, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
     cfg.setdefault("ctas_per_sm", 2)
-    if not on_gpu:
-        cfg.update(cvt="f32", pv_fp8=False)  # the interpreter's 16-bit dots and f32->fp8 casts are wrong
-    if cfg["cvt"] not in CVT_MODES:
-        raise ValueError(f"mla_decode_fp8: cvt={cfg['cvt']!r}; allowed {list(CVT_MODES)}")
-    if cfg["swap"] not in (0, 1, 2):
-        raise ValueError(f"mla_decode_fp8: swap={cfg['swap']!r}; allowed 0, 1, 2")
-    if cfg["pv_fp8"] and cfg["swap"] == 2:
-        raise ValueError("mla_decode_fp8: pv_fp8 needs swap 0 or 1 (an FP8 wgmma cannot read V^T)")
+    if cfg["swap"] not in (0, 1):
+        raise ValueError(f"mla_decode_fp8: swap={cfg['swap']!r}; allowed 0, 1")
     block_n = cfg["block_n"]
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"mla_decode_fp8: block_n={block_n}: must be a power of two >= 16")
     if v_scale is None:
         v_scale = k_scale
-    cvt_id = CVT_MODES[cfg["cvt"]]
     block_h = pick_block_h(H, block_h)
     head_blocks = triton.cdiv(H, block_h)
     num_splits = resolve_splits("mla_decode_fp8", num_splits, B, head_blocks, kv_lens, max_len, block_n, dev,
                                 cfg["ctas_per_sm"])
 
     qk_scale = float(sm_scale) * float(k_scale) * LOG2E
-    out_scale = float(v_scale) / (P_SCALE if cfg["pv_fp8"] else 1.0)
+    out_scale = float(v_scale)
     q_scale, q_mode = None, 0
     if cfg["q_fp8"] and not on_gpu:
         qn, qp, q_scale = quantize_q_fp8(q_nope, q_pe, block_h)  # by torch, per (request, head block)
@@ -412,8 +290,8 @@ def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Te
         qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv_buffer.stride(0),
         o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_N=block_n, BLOCK_H=block_h, DIRECT=direct,
-        CVT=cvt_id, Q_FP8=q_mode, PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
-        PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        F32=not on_gpu, Q_FP8=q_mode, SWAP=int(cfg["swap"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, out_scale)
     return (out, lse) if return_lse else out

@@ -179,7 +179,7 @@ def _pv(x, v, acc, PV: tl.constexpr, P_SPLIT: tl.constexpr, EMU: tl.constexpr):
     elif EMU:
         acc = tl.dot(x, v.to(tl.float32), acc)
     else:
-        acc = tl.dot(x.to(tl.float16), _widen(v, 2), acc)
+        acc = tl.dot(x.to(tl.float16), _widen(v, False), acc)
     return acc
 
 

@@ -17,8 +17,7 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.launch import SplitKV
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, resolve_splits
-from labkit.kernels.mla_decode_fp8 import (CVT_MODES, P_SCALE, _mla_decode_fp8_kernel, default_config,
-                                           quantize_q_fp8)
+from labkit.kernels.mla_decode_fp8 import _mla_decode_fp8_kernel, default_config, quantize_q_fp8
 from labkit.kernels import mla_decode_fp8_gluon as G
 from labkit.kernels import mla_decode_fp8_rows as R
 
@@ -120,33 +119,28 @@ def fp8_native(q_fp8: bool):
         on_gpu = dev.type == "cuda"
         cfg = default_config(num_heads, on_gpu, q_fp8)
         cfg.setdefault("ctas_per_sm", 2)
-        if not on_gpu:
-            cfg.update(cvt="f32", pv_fp8=False)  # as the launcher: the interpreter's limits
-        cvt = CVT_MODES[cfg["cvt"]]
         block_h = pick_block_h(num_heads, None)
         hb = triton.cdiv(num_heads, block_h)
         s = resolve_splits("mla_decode_fp8", None, batch.batch_size, hb, batch.kv_lens, batch.max_len,
                            cfg["block_n"], dev, cfg["ctas_per_sm"])
         split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, dev)
         q_mode = (1 if not on_gpu else 2) if cfg["q_fp8"] else 0
-        p_div = P_SCALE if cfg["pv_fp8"] else 1.0
         b = batch
 
         def run(q_nope, q_pe, layer, _b):
             kv, k_scale = views[layer], scales[layer]
             qn, qp, q_scale = (*quantize_q_fp8(q_nope, q_pe, block_h),) if q_mode == 1 else (q_nope, q_pe, None)
-            out_scale = k_scale / p_div
 
             def stage1(o_buf, lse_buf, direct):
                 _mla_decode_fp8_kernel[(b.batch_size, hb, s)](
                     qn, qp, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
-                    q_scale if q_scale is not None else lse_buf, float(sm_scale) * k_scale * LOG2E, out_scale,
+                    q_scale if q_scale is not None else lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale,
                     num_heads, s, qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv.stride(0),
                     o_buf.stride(0), o_buf.stride(1), PAGE=kv.shape[1], BLOCK_N=cfg["block_n"], BLOCK_H=block_h,
-                    DIRECT=direct, CVT=cvt, Q_FP8=q_mode, PV_FP8=bool(cfg["pv_fp8"]), SWAP=int(cfg["swap"]),
-                    PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                    DIRECT=direct, F32=not on_gpu, Q_FP8=q_mode, SWAP=int(cfg["swap"]),
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-            return split.run(stage1, out_scale)
+            return split.run(stage1, k_scale)
         return run
     return planner
 

@@ -78,45 +78,24 @@ SM_SCALE = 1 / 16  # GLM-5: 1/sqrt(192 + 64)
 # ---------------------------------------------------------------------------------------------
 # Variants: name -> kwargs of mla_decode_fp8 (FP8 pool) or mla_decode (BF16 pool).
 # ---------------------------------------------------------------------------------------------
-FP8_SMALL_H = {  # 8 / 16 heads: memory-bound
-    "fp8.study_bf16": dict(cvt="bf16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=4, num_stages=2),
-    "fp8.f16_pipe64": dict(cvt="f16", q_fp8=False, prefetch=False, swap=0, block_n=64, num_warps=4, num_stages=3),
-    "fp8.asm_pipe64": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=64, num_warps=4, num_stages=3),
-    "fp8.asm_pipe32": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=4, num_stages=3),
-    "fp8.asm_pipe32_s2": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=4, num_stages=2),
-    "fp8.asm_pipe32_swap1": dict(cvt="asm", q_fp8=False, prefetch=False, swap=1, block_n=32, num_warps=4, num_stages=3),
-    "fp8.asm_pre64_w8": dict(cvt="asm", q_fp8=False, prefetch=True, swap=0, block_n=64, num_warps=8, num_stages=1),
-    "fp8.asm_pre32_w4": dict(cvt="asm", q_fp8=False, prefetch=True, swap=0, block_n=32, num_warps=4, num_stages=1),
-    "fp8.asm_pre32_w8": dict(cvt="asm", q_fp8=False, prefetch=True, swap=0, block_n=32, num_warps=8, num_stages=1),
-    "fp8.asm_pre32_swap1_w4": dict(cvt="asm", q_fp8=False, prefetch=True, swap=1, block_n=32, num_warps=4, num_stages=1),
-    "fp8.asm_pipe32_swap1_s2": dict(cvt="asm", q_fp8=False, prefetch=False, swap=1, block_n=32, num_warps=4, num_stages=2),
-    "fp8.asm_pre64_swap1_w8": dict(cvt="asm", q_fp8=False, prefetch=True, swap=1, block_n=64, num_warps=8, num_stages=1),
-    "fp8.asm_pre32_swap2_w4": dict(cvt="asm", q_fp8=False, prefetch=True, swap=2, block_n=32, num_warps=4, num_stages=1),
+FP8_SMALL_H = {  # 8 / 16 heads: memory-bound ("asm": the fp16 widening by inline PTX, the only one left)
+    "fp8.asm_pipe64": dict(q_fp8=False, swap=0, block_n=64, num_warps=4, num_stages=3),
+    "fp8.asm_pipe32": dict(q_fp8=False, swap=0, block_n=32, num_warps=4, num_stages=3),
+    "fp8.asm_pipe32_s2": dict(q_fp8=False, swap=0, block_n=32, num_warps=4, num_stages=2),
+    "fp8.asm_pipe32_swap1": dict(q_fp8=False, swap=1, block_n=32, num_warps=4, num_stages=3),
+    "fp8.asm_pipe32_swap1_s2": dict(q_fp8=False, swap=1, block_n=32, num_warps=4, num_stages=2),
     # one shared-memory buffer, small enough for 2 CTAs/SM (docs/perf-notes.md, v5; measured in run 2)
-    "fp8.q8_pipe64_swap1_s1": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=64, num_warps=4,
-                                   num_stages=1),
-    "fp8.asm_pipe64_swap1_s1": dict(cvt="asm", q_fp8=False, prefetch=False, swap=1, block_n=64, num_warps=4,
-                                    num_stages=1),
-    "fp8.q8_pipe64_swap1": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=64, num_warps=4, num_stages=3),
-    "fp8.q8_pipe32_swap1": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=32, num_warps=4, num_stages=3),
-    "fp8.q8_pipe128_swap1_w8": dict(cvt="asm", q_fp8=True, prefetch=False, swap=1, block_n=128, num_warps=8,
-                                    num_stages=2),
-    "fp8.q8_pre128_swap1_w8": dict(cvt="asm", q_fp8=True, prefetch=True, swap=1, block_n=128, num_warps=8,
-                                   num_stages=1),
-    "fp8.q8_pipe64_swap2": dict(cvt="asm", q_fp8=True, prefetch=False, swap=2, block_n=64, num_warps=4, num_stages=3),
-    "fp8.q8pv8_pipe64_swap1": dict(cvt="asm", q_fp8=True, pv_fp8=True, prefetch=False, swap=1, block_n=64,
-                                   num_warps=4, num_stages=3),
+    "fp8.q8_pipe64_swap1_s1": dict(q_fp8=True, swap=1, block_n=64, num_warps=4, num_stages=1),
+    "fp8.asm_pipe64_swap1_s1": dict(q_fp8=False, swap=1, block_n=64, num_warps=4, num_stages=1),
+    "fp8.q8_pipe64_swap1": dict(q_fp8=True, swap=1, block_n=64, num_warps=4, num_stages=3),
+    "fp8.q8_pipe32_swap1": dict(q_fp8=True, swap=1, block_n=32, num_warps=4, num_stages=3),
+    "fp8.q8_pipe128_swap1_w8": dict(q_fp8=True, swap=1, block_n=128, num_warps=8, num_stages=2),
 }
 FP8_LARGE_H = {  # 64 / 128 heads (BLOCK_H 64, 8 warps): compute-bound
-    "fp8.study_bf16": dict(cvt="bf16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
-    "fp8.asm_pipe32": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
-    "fp8.asm_pipe64": dict(cvt="asm", q_fp8=False, prefetch=False, swap=0, block_n=64, num_warps=8, num_stages=2),
-    "fp8.asm_pre32": dict(cvt="asm", q_fp8=False, prefetch=True, swap=0, block_n=32, num_warps=8, num_stages=1),
-    "fp8.f16_pipe32": dict(cvt="f16", q_fp8=False, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
-    "fp8.q8_pipe32": dict(cvt="asm", q_fp8=True, prefetch=False, swap=0, block_n=32, num_warps=8, num_stages=2),
-    "fp8.q8_pipe64": dict(cvt="asm", q_fp8=True, prefetch=False, swap=0, block_n=64, num_warps=8, num_stages=2),
-    "fp8.q8pv8_pipe32": dict(cvt="asm", q_fp8=True, pv_fp8=True, prefetch=False, swap=0, block_n=32,
-                             num_warps=8, num_stages=2),
+    "fp8.asm_pipe32": dict(q_fp8=False, swap=0, block_n=32, num_warps=8, num_stages=2),
+    "fp8.asm_pipe64": dict(q_fp8=False, swap=0, block_n=64, num_warps=8, num_stages=2),
+    "fp8.q8_pipe32": dict(q_fp8=True, swap=0, block_n=32, num_warps=8, num_stages=2),
+    "fp8.q8_pipe64": dict(q_fp8=True, swap=0, block_n=64, num_warps=8, num_stages=2),
     "fp8.default": dict(),
 }
 FP8_SMALL_H["fp8.default"] = dict()  # GPU_DEFAULTS in kernels/mla_decode_fp8.py (an FP8 query)
@@ -197,7 +176,7 @@ def ceilings(res):
 
 # ---------------------------------------------------------------------------------------------
 TOL_BF16 = 1e-2  # bf16 operands and a bf16 output on the GPU
-TOL_Q8 = 6e-2  # q quantized to e4m3 (and p for pv_fp8): the study saw 2.8-3.2e-2
+TOL_Q8 = 6e-2  # q quantized to e4m3: the study saw 2.8-3.2e-2
 TOL_LSE = 1e-2  # absolute, natural log
 TOL_LSE_Q8 = 2e-1
 

@@ -164,12 +164,11 @@ def test_decode_argument_errors_name_the_argument(bad, match):
 
 # ------------------------------------------------------------------ FP8 decode ------------------
 # The structural variants run in the interpreter too (widening is fp32 there): the split logic,
-# the page walk, the swapped orientations, the packed-word prefetch and the FP8 query.
+# the page walk (tiles within a page or across pages), the swapped orientation and the FP8 query.
 VARIANTS = {
     "plain": dict(q_fp8=False),
-    "prefetch": dict(q_fp8=False, prefetch=True, block_n=32),
     "swap1": dict(q_fp8=False, swap=1, block_n=64),
-    "swap2_prefetch": dict(q_fp8=False, swap=2, prefetch=True, block_n=32),
+    "n32": dict(q_fp8=False, block_n=32),  # a tile inside one page of 64
     "q8_swap1": dict(q_fp8=True, swap=1, block_n=64),
     "default": dict(),  # the GPU default's numerics: FP8 query
 }
@@ -275,9 +274,7 @@ def test_bf16_pool_backend_refuses_fp8():
 # ------------------------------------------------------------------ GPU -------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-GPU_VARIANTS = {**VARIANTS, "asm_pipe64": dict(q_fp8=False, cvt="asm", block_n=64, num_warps=4, num_stages=3),
-                "f16": dict(q_fp8=False, cvt="f16"), "bf16_cvt": dict(q_fp8=False, cvt="bf16", block_n=32),
-                "pv_fp8": dict(q_fp8=True, pv_fp8=True, swap=1)}
+GPU_VARIANTS = {**VARIANTS, "pipe64": dict(q_fp8=False, block_n=64, num_warps=4, num_stages=3)}
 
 
 @pytest.mark.gpu
