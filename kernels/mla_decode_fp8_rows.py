@@ -530,19 +530,24 @@ def rows_views(kv_rows: torch.Tensor, kv_layout: str) -> tuple:
     return kv8, kv_rows.view(torch.float32), kv_rows.view(torch.bfloat16)
 
 
-def quantize_query(cfg: RowsConfig, q_nope, q_pe, q8, qsc) -> None:
-    """Launch the query's quantization (cfg.quantize not None): q_nope [B, H, 512], q_pe [B, H, 64] ->
-    q8 [B, H, 2, 576] float8_e4m3fn (hi | lo terms) and qsc [B, H] float32, both preallocated."""
-    B, H, _ = q_nope.shape
-    _quantize_q_kernel[(B, triton.cdiv(H, cfg.q_block))](
-        q_nope, q_pe, q8, qsc, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+def grids(cfg: RowsConfig, batch: int, heads: int, num_splits: int) -> tuple[tuple, tuple]:
+    """The decode kernel's grid (B, head blocks, splits) and the query launch's (B, its head blocks)."""
+    return (batch, triton.cdiv(heads, cfg.block_h), num_splits), (batch, triton.cdiv(heads, cfg.q_block))
+
+
+def quantize_query(cfg: RowsConfig, grid: tuple, q_nope, q_pe, q8, qsc) -> None:
+    """Launch the query's quantization (cfg.quantize not None; ``grids``' second): q_nope [B, H, 512],
+    q_pe [B, H, 64] -> q8 [B, H, 2, 576] float8_e4m3fn (hi | lo terms), qsc [B, H] float32, preallocated."""
+    _quantize_q_kernel[grid](
+        q_nope, q_pe, q8, qsc, q_nope.shape[1], q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         BLOCK_H=cfg.q_block, **cfg.quantize)
 
 
-def launch_rows(cfg: RowsConfig, q_nope, q_pe, views: tuple, kv_indptr, kv_indices, kv_lens, tok, q8, qsc,
-                o_buf, lse_buf, qk_scale: float, out_scale: float, num_splits: int, topk: int, *, sparse: bool,
-                page: int, direct: bool) -> None:
-    """Launch the decode kernel, no checks (``mla_decode_fp8_rows`` checks; a plan checks once).
+def launch_rows(cfg: RowsConfig, grid: tuple, q_nope, q_pe, views: tuple, kv_indptr, kv_indices, kv_lens, tok,
+                q8, qsc, o_buf, lse_buf, qk_scale: float, out_scale: float, topk: int, *, sparse: bool, page: int,
+                direct: bool) -> None:
+    """Launch the decode kernel on ``grid`` (``grids``' first), no checks (``mla_decode_fp8_rows``
+    checks; a plan checks once).
 
     views: ``rows_views`` of the layer. Dense: kv_indptr [B + 1], kv_indices [nnz], kv_lens [B] int32,
     page = page_size, topk = 0 (tok: any int32 tensor). Sparse: tok [B, topk] int32 contiguous,
@@ -550,11 +555,10 @@ def launch_rows(cfg: RowsConfig, q_nope, q_pe, views: tuple, kv_indptr, kv_indic
     query (cfg.quantize) or any float32 tensor. o_buf / lse_buf: out [B, H, 512] q dtype and lse
     [B, H] float32 (direct) or the partials [B, H, S, 512], [B, H, S] float32.
     qk_scale = sm_scale * k_scale * log2(e); out_scale = k_scale / 256 (read when direct)."""
-    B, H, _ = q_nope.shape
     kv8, kvs, kvr = views
-    _mla_decode_fp8_rows_kernel[(B, triton.cdiv(H, cfg.block_h), num_splits)](
+    _mla_decode_fp8_rows_kernel[grid](
         q_nope, q_pe, kv8, kvs, kvr, kv_indptr, kv_indices, kv_lens, tok, q8, qsc, o_buf, lse_buf,
-        qk_scale, out_scale, H, num_splits, topk,
+        qk_scale, out_scale, q_nope.shape[1], grid[2], topk,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         SPARSE=sparse, PAGE=page, DIRECT=direct, **cfg.kernel)
 
@@ -690,13 +694,14 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
+    grid, q_grid = grids(cfg, B, H, num_splits)
     q8 = qsc = lse_buf
     if cfg.quantize is not None:
         q8 = torch.empty(B, H, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
         qsc = torch.empty(B, H, dtype=torch.float32, device=dev)
-        quantize_query(cfg, q_nope, q_pe, q8, qsc)
-    launch_rows(cfg, q_nope, q_pe, rows_views(kv_rows, kv_layout), indptr, indices, lens, tok, q8, qsc, o_buf,
-                lse_buf, float(sm_scale) * float(k_scale) * LOG2E, float(k_scale) / P_SCALE, num_splits, topk,
+        quantize_query(cfg, q_grid, q_nope, q_pe, q8, qsc)
+    launch_rows(cfg, grid, q_nope, q_pe, rows_views(kv_rows, kv_layout), indptr, indices, lens, tok, q8, qsc,
+                o_buf, lse_buf, float(sm_scale) * float(k_scale) * LOG2E, float(k_scale) / P_SCALE, topk,
                 sparse=sparse, page=page, direct=direct)
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))
     return (out, lse) if return_lse else out

@@ -124,13 +124,19 @@ class DecodePlan:
     batch: DecodeBatch
     sm_scale: float
     _run: Callable | None = field(default=None, repr=False)
+    _at_layer: dict = field(default_factory=dict, repr=False)  # layer -> the batch with its own slots
 
     def run(self, q_nope, q_pe, layer: int, token_indices: torch.Tensor | None = None):
         """q_nope [B, H, 512], q_pe [B, H, 64] -> out [B, H, 512]; ``token_indices`` [B, topk] int32
         or None (the batch's slots of ``layer``; dense batches have none)."""
         batch = self.batch
-        if token_indices is not None or batch.token_indices is not None:
-            batch = batch.with_slots(token_indices if token_indices is not None else batch.slots(layer))
+        if token_indices is not None:
+            batch = batch.with_slots(token_indices)
+        elif batch.token_indices is not None:  # made once per layer: views of the batch's slots
+            at = self._at_layer.get(layer)
+            if at is None:
+                at = self._at_layer[layer] = batch.with_slots(batch.slots(layer))
+            batch = at
         if self._run is not None:
             return self._run(q_nope, q_pe, layer, batch)
         return self.backend.fn(q_nope, q_pe, self.pool, layer, batch, self.sm_scale)

@@ -215,6 +215,7 @@ class RowsPlan:
         s = resolve_splits("mla_decode_fp8_rows", num_splits, B, triton.cdiv(num_heads, self.cfg.block_h), None,
                            max_len, self.cfg.block_n, dev, self.cfg.ctas_per_sm)
         self.split = SplitKV.make(B, num_heads, s, q_dtype, dev)
+        self.grid, self.q_grid = R.grids(self.cfg, B, num_heads, s)
         self.q8 = self.qsc = self.split.lse  # read by nothing when the kernel quantizes or widens the query
         if self.cfg.quantize is not None:
             self.q8 = torch.empty(B, num_heads, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
@@ -232,10 +233,10 @@ class RowsPlan:
 
         def stage1(o_buf, lse_buf, direct):
             if cfg.quantize is not None:
-                R.quantize_query(cfg, q_nope, q_pe, self.q8, self.qsc)
-            R.launch_rows(cfg, q_nope, q_pe, self.views[layer], *table, tok, self.q8, self.qsc, o_buf, lse_buf,
-                          self.qk_scales[layer], k_scale / R.P_SCALE, self.split.num_splits, topk,
-                          sparse=self.sparse, page=self.page, direct=direct)
+                R.quantize_query(cfg, self.q_grid, q_nope, q_pe, self.q8, self.qsc)
+            R.launch_rows(cfg, self.grid, q_nope, q_pe, self.views[layer], *table, tok, self.q8, self.qsc, o_buf,
+                          lse_buf, self.qk_scales[layer], k_scale / R.P_SCALE, topk, sparse=self.sparse,
+                          page=self.page, direct=direct)
 
         return self.split.run(stage1, k_scale)
 
