@@ -51,6 +51,7 @@ except ImportError:  # pragma: no cover - old Triton
 BLOCK_N = 64  # tokens per tile: one wgmma M block of scores, the K of p @ V
 P_SCALE = 256.0  # p in [0, 1] is stored as e4m3 of p * 256 (keeps small p out of e4m3's subnormals)
 MAX_HEADS = 128
+PRECISIONS = ("fast", "accurate")  # accurate: q and p as two e4m3 terms each
 WIDE_HEADS = 64  # above 32 heads: CTAs of two warpgroups and 64 heads (128 heads: two head blocks)
 
 
@@ -105,6 +106,36 @@ ACC_SPLIT8, ACC_PERM8 = (4, 4, 2, 2, 2, 2, 2), (1, 5, 2, 4, 6, 0, 3, 7)
 
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
+
+    @gluon.jit
+    def _round_e4m3(x):
+        """fp32 -> the e4m3 value nearest to x (ties to even) as fp32, for |x| <= 448: bit arithmetic
+        (normals keep 3 mantissa bits, below 2^-6 steps of 2^-9), so that the residual x - hi of a
+        split is exact and never read back from an fp8 register."""
+        bits = x.to(gl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(gl.float32, bitcast=True)
+        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # 1.5 * 2^23: rounds to an integer
+        return gl.where(gl.abs(x) < 0.015625, sub, normal)
+
+    @gluon.jit
+    def _store_split(smem, x, SPLIT: gl.constexpr, C0: gl.constexpr = 0):
+        """x [R, W] (|x| <= 448 fast, <= 28 SPLIT) into e4m3 at columns C0 .. C0 + W of smem
+        [terms, R, *]: one term; or SPLIT two terms 16 * hi and 16 * (x - hi), both exact or normal
+        e4m3, whose sum is 16 x to ~2^-8 relative."""
+        W: gl.constexpr = x.shape[1]
+        if SPLIT:
+            hi = _round_e4m3(x)
+            smem.index(0).slice(C0, W, dim=1).store((hi * 16.0).to(gl.float8e4nv))
+            smem.index(1).slice(C0, W, dim=1).store(((x - hi) * 16.0).to(gl.float8e4nv))
+        else:
+            smem.index(0).slice(C0, W, dim=1).store(x.to(gl.float8e4nv))
+
+    @gluon.jit
+    def _load_q(ptrs, hmask, C0: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
+        """Columns C0 .. C0 + W of a [BLOCK_H, *] query block as fp32 (128 at a time keeps the
+        prologue's registers within what the main loop needs)."""
+        c = C0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+        return gl.load(ptrs + c[None, :], mask=hmask, other=0.0).to(gl.float32)
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed in Triton 3.7
 
     @triton.constexpr_function
@@ -214,7 +245,7 @@ if HAS_GLUON:
     @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-              NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr):
+              NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
         acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
@@ -229,9 +260,12 @@ if HAS_GLUON:
             mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         ckv = ckv_ring.index(slot)
         kpe = kpe_ring.index(slot)
-        s = warpgroup_mma(ckv, qn_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
+        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-        s = warpgroup_mma(kpe, qp_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(kpe, qp_smem.index(0).permute((1, 0)), s, is_async=True)
+        if SPLIT:  # the query's second e4m3 term: 16 q = hi + lo, both in one accumulator
+            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(kpe, qp_smem.index(1).permute((1, 0)), s, is_async=True)
         v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, while the score MMA runs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
@@ -255,11 +289,17 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[None, :])
         l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
-        p_smem.store(_relabel_p((p * _P_SCALE).to(gl.float8e4nv)))
+        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
+            _store_split(p_smem, _relabel_p(p * 16.0), True)
+        else:
+            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
         fence_async_shared()
         _cta_barrier()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
-        acc = warpgroup_mma(_relabel_v(v, a_layout, NUM_WARPS), p_smem.permute((1, 0)), acc, is_async=True)
+        vt = _relabel_v(v, a_layout, NUM_WARPS)
+        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l_i, acc
 
@@ -288,6 +328,7 @@ if HAS_GLUON:
         NUM_STAGES: gl.constexpr,  # tiles in the shared-memory ring
         NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
+        SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -300,9 +341,10 @@ if HAS_GLUON:
 
         ckv_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 512], ckv_sl)
         kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
-        qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 512], ckv_sl)
-        qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 64], kpe_sl)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 64], kpe_sl)
+        NQ: gl.constexpr = 2 if SPLIT else 1  # e4m3 terms of q and of p
+        qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 512], ckv_sl)
+        qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -346,19 +388,25 @@ if HAS_GLUON:
         # the query in e4m3, one scale for the CTA (amax / 448), into shared memory (the B operands)
         heads = hblk * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
         hmask = (heads < H)[:, None]
-        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, q_layout))
-        dp = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
-        q_n = gl.load(q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h + dn[None, :], mask=hmask,
-                      other=0.0).to(gl.float32)
-        q_p = gl.load(q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h + dp[None, :], mask=hmask,
-                      other=0.0).to(gl.float32)
-        amax = gl.maximum(gl.max(gl.max(gl.abs(q_n), axis=1), axis=0), gl.max(gl.max(gl.abs(q_p), axis=1), axis=0))
-        q_sc = gl.maximum(amax, 1e-12) / 448.0
-        qn_smem.store((q_n / q_sc).to(gl.float8e4nv))
-        qp_smem.store((q_p / q_sc).to(gl.float8e4nv))
+        qn_ptrs = q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h
+        qp_ptrs = q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h
+        amax = gl.max(gl.max(gl.abs(_load_q(qp_ptrs, hmask, 0, 64, q_layout)), axis=1), axis=0)
+        QW: gl.constexpr = 128 if SPLIT else 512  # SPLIT: two passes of 128 columns, max |q| then the stores
+        for c0 in gl.static_range(0, 512, QW):
+            amax = gl.maximum(amax, gl.max(gl.max(gl.abs(_load_q(qn_ptrs, hmask, c0, QW, q_layout)), axis=1), axis=0))
+        if SPLIT:  # |q / q_sc| <= 28: 16 hi stays within e4m3's 448; the MMAs then give 16 q.k
+            q_sc = gl.maximum(amax, 1e-12) / 28.0
+        else:
+            q_sc = gl.maximum(amax, 1e-12) / 448.0
+        for c0 in gl.static_range(0, 512, QW):
+            _store_split(qn_smem, _load_q(qn_ptrs, hmask, c0, QW, q_layout) / q_sc, SPLIT, c0)
+        _store_split(qp_smem, _load_q(qp_ptrs, hmask, 0, 64, q_layout) / q_sc, SPLIT)
         fence_async_shared()
         _cta_barrier()
-        qk_scale = qk_scale * q_sc
+        if SPLIT:
+            qk_scale = qk_scale * q_sc * 0.0625
+        else:
+            qk_scale = qk_scale * q_sc
 
         m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
@@ -366,15 +414,15 @@ if HAS_GLUON:
         if SPARSE:  # every tile masked: any slot may be -1
             for tile in range(0, n_tiles):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True)
+                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT)
             async_copy.wait_group(0)
         else:
             for tile in range(0, n_full):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False)
+                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
             if n_full < n_tiles:  # the split's partial last tile, masked
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i,
-                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False)
+                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -449,7 +497,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
-                         token_indices: torch.Tensor | None = None):
+                         token_indices: torch.Tensor | None = None, precision: str = "fast"):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -465,6 +513,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     return_lse : also return lse.
     token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
         checked where made); each request attends to its slots only, read by cp.async.
+    precision : "fast" (q and p in e4m3: ~2.8e-2 relative error) or "accurate" (each as two e4m3
+        terms, twice the MMAs: ~2e-3, the error of a 16-bit query).
     num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
@@ -478,6 +528,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     dev = q_nope.device
     sparse = token_indices is not None
     check_gluon_args(H, page_size, dev, sparse)
+    if precision not in PRECISIONS:
+        raise ValueError(f"mla_decode_fp8_gluon: precision={precision!r}; allowed {list(PRECISIONS)}")
     if sparse and (token_indices.dtype != torch.int32 or token_indices.dim() != 2 or token_indices.shape[0] != B
                    or not token_indices.is_contiguous()):
         raise ValueError(f"mla_decode_fp8_gluon: token_indices must be contiguous int32 [B={B}, topk], got "
@@ -506,7 +558,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

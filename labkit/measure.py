@@ -57,7 +57,8 @@ def _graph_and_host(lab: Lab, backend) -> dict:
 
 # (backend, on the BF16 copy of the pool): our FP8 kernels (the Gluon one where the device, page size and
 # head count allow) and FlashInfer's MLA kernels
-PEERS = (("fp8_native.triton_q8", False), ("fp8_native.gluon", False), ("fp8_native.triton_rows", False),
+PEERS = (("fp8_native.triton_q8", False), ("fp8_native.gluon", False), ("fp8_native.gluon_acc", False),
+         ("fp8_native.triton_rows", False),
          ("fp8_native.triton_rows_acc", False),
          ("flashinfer_mla", False), ("flashinfer_mla", True), ("flashinfer_mla_fp8", False))
 

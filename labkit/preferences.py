@@ -25,7 +25,7 @@ BATCH_BANDS = ((1, 8), (9, 1 << 20))
 FALLBACK = {
     "full_pool_cast": ("triton", "seed", "torch"),
     "gather_cast": ("triton", "torch"),
-    "fp8_native": ("gluon", "triton_rows", "triton_q8", "triton_rows_acc", "triton", "torch"),
+    "fp8_native": ("gluon", "gluon_acc", "triton_rows", "triton_q8", "triton_rows_acc", "triton", "torch"),
     "bf16_pool": ("triton", "torch"),
 }
 CPU_ORDER = ("torch",)  # then whatever else runs on a CPU, in registration order

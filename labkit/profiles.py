@@ -16,7 +16,7 @@ PAGE_SIZE = 64
 SEED_POOL_TOKENS = -(-495_000 // PAGE_SIZE) * PAGE_SIZE  # 495,040: the study's 495K pool in whole pages
 # auto: backends.select, the fastest implementation measured here that allows the call (torch on a
 # CPU); any other name picks that implementation where the path has it (select elsewhere)
-IMPLS = ("auto", "torch", "triton", "seed", "triton_q8", "gluon", "triton_rows", "triton_rows_acc", "flashinfer")
+IMPLS = ("auto", "torch", "triton", "seed", "triton_q8", "gluon", "gluon_acc", "triton_rows", "triton_rows_acc", "flashinfer")
 PRECISIONS = ("fast", "accurate")  # backends.PRECISIONS: accurate = rel. error <= 3e-3
 
 DEFAULTS = dict(

@@ -80,7 +80,7 @@ def path_flops(heads: int, tokens_read: int, d_ckv: int = 512, d_kpe: int = 64) 
 # fp8_native kernels whose two products (QK^T, PV) run as FP8 MMAs; every other kernel multiplies in BF16
 # scores (and for gluon also p @ V) on FP8 tensor cores; the rows kernels' p @ V is 16-bit, so the FP8
 # roof is the higher, stricter one for them; triton_rows_acc's split query is two FP8 products
-FP8_MMA = frozenset({"fp8_native.triton_q8", "fp8_native.gluon", "fp8_native.triton_rows",
+FP8_MMA = frozenset({"fp8_native.triton_q8", "fp8_native.gluon", "fp8_native.gluon_acc", "fp8_native.triton_rows",
                      "fp8_native.triton_rows_acc"})  # FlashInfer's FP8 path widens to BF16 first
 MMAS = ("bf16", "fp8")
 

@@ -113,11 +113,14 @@ def fp8_native_triton_q8(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBa
                           sm_scale, k_scale=pool.scale(layer), q_fp8=True, max_len=batch.max_len)
 
 
-def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
-    """FP8 pages by TMA, FP8 query and FP8 probabilities: both products on FP8 tensor cores."""
-    return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                                sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len,
-                                token_indices=batch.token_indices)
+def _fp8_gluon(precision: str):
+    def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
+        """FP8 pages by TMA (rows by cp.async when sparse), q and p in e4m3 (one or two terms each):
+        both products on FP8 tensor cores."""
+        return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices,
+                                    batch.kv_lens, sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len,
+                                    token_indices=batch.token_indices, precision=precision)
+    return fp8_native_gluon
 
 
 def bf16_pool_triton(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
@@ -157,14 +160,16 @@ register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_t
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="FP8 query: 2.5-2.6e-2 relative error (H200, run 6) against 1.7e-3 with a 16-bit "
                       "query; the fastest dense kernel of ours at 64-128 heads there"))
-register(Backend("fp8_native.gluon", "fp8_native", "gluon", fp8_native_gluon,
-                 planner=triton_plans.gluon, kv_dtypes=("fp8_e4m3",),
-                 kv_layouts=("fp8_per_tensor",), precision="fast", sparse=True,
-                 min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128),
-                 sparse_page_sizes=ALL_PAGE_SIZES, max_heads=GLUON_MAX_HEADS,
-                 runs_on_cpu=False, kernel="Gluon mla_decode_fp8_gluon: TMA ring, FP8 wgmma for q.K and p.V",
-                 note="V^T is a register operand (no 16-bit copy of V); q and p in e4m3: 2.7-2.8e-2 "
-                      "relative error (H200, run 6)"))
+for _name, _prec, _how in (("gluon", "fast", "q and p in e4m3: 2.7-2.9e-2 relative error (H200)"),
+                           ("gluon_acc", "accurate", "q and p each as two e4m3 terms (twice the MMAs)")):
+    register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_gluon(_prec),
+                     planner=triton_plans.gluon(_prec), kv_dtypes=("fp8_e4m3",),
+                     kv_layouts=("fp8_per_tensor",), precision=_prec, sparse=True,
+                     min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128),
+                     sparse_page_sizes=ALL_PAGE_SIZES, max_heads=GLUON_MAX_HEADS, runs_on_cpu=False,
+                     kernel="Gluon mla_decode_fp8_gluon: TMA ring (cp.async rows when sparse), FP8 wgmma "
+                            "for q.K and p.V",
+                     note=f"V^T is a register operand (no 16-bit copy of V); {_how}"))
 register(Backend("bf16_pool.triton", "bf16_pool", "triton", bf16_pool_triton,
                  planner=triton_plans.bf16_pool, kv_dtypes=("bf16",), kv_layouts=("bf16",),
                  sparse=True, min_capability=BF16_SM, page_sizes=ALL_PAGE_SIZES, max_heads=128, runs_on_cpu=True,

@@ -145,7 +145,13 @@ def fp8_native(q_fp8: bool):
     return planner
 
 
-def gluon(pool, batch, num_heads, sm_scale, q_dtype):
+def gluon(precision: str):
+    """The planner of ``mla_decode_fp8_gluon`` at ``precision``."""
+    return lambda pool, batch, num_heads, sm_scale, q_dtype: _gluon(pool, batch, num_heads, sm_scale, q_dtype,
+                                                                    precision)
+
+
+def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     """``mla_decode_fp8_gluon`` planned: its rules checked once, then the same kernel launched with
     the launcher's arguments and defaults (``GPU_CONFIG``), partials and merge from ``SplitKV``."""
     if pool.kv_layout == "fp8_ds_mla":  # refused by the backend's rules
@@ -172,7 +178,7 @@ def gluon(pool, batch, num_heads, sm_scale, q_dtype):
                 float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
                 q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
                 PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"],
-                NUM_WARPS=num_warps, SPARSE=sparse, num_warps=num_warps)
+                NUM_WARPS=num_warps, SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps)
 
         return split.run(stage1, k_scale)
     return run

@@ -269,3 +269,30 @@ def test_gpu_gluon_sparse(page_size, heads):
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
     plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
     assert reference.rel_err(plan.run(qn, qp, 0, slots), ref) < TOL_GPU_P8
+
+
+TOL_ACCURATE = 3e-3  # the accurate precision's rule (a 16-bit query gives 1.7-2e-3)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("heads,sparse", [(16, False), (32, False), (64, False), (128, False), (16, True), (64, True)])
+def test_gpu_gluon_accurate(heads, sparse):
+    """precision='accurate' (q and p as two e4m3 terms each) within 3e-3 of the oracle, dense and sparse;
+    the fast precision on the same call is ~10x further (so the test tells them apart)."""
+    lens = [5000, 64, 700, 8192]
+    page = 1 if sparse else 64
+    pool = kvpool.random_pool(1, page * (sum(-(-n // page) for n in lens) + 3), page, seed=heads, device="cuda")
+    batch = (kvpool.sparse_batch_for_pool(pool, lens, 2048, seed=heads + 1) if sparse
+             else kvpool.batch_for_pool(pool, lens, seed=heads + 1))
+    one = batch.with_slots(batch.slots(0)) if sparse else batch
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
+    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM)
+    errs = {}
+    for precision in ("accurate", "fast"):
+        out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
+                                     pool.scale(0), token_indices=one.token_indices, precision=precision)
+        errs[precision] = reference.rel_err(out, ref)
+    assert errs["accurate"] < TOL_ACCURATE and errs["fast"] > 3 * errs["accurate"], errs
+    plan = backends.get("fp8_native.gluon_acc").plan(pool, batch, heads, SM, qn.dtype)
+    assert reference.rel_err(plan.run(qn, qp, 0), ref) < TOL_ACCURATE
