@@ -22,7 +22,7 @@ from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E4
 
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
             "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
-            "default": dict()}
+            "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict()}
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 LAYERS = 4  # rotating layers in the CUDA-graph timing
