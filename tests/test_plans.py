@@ -6,7 +6,7 @@ import torch
 from labkit import backends, kvpool, triton_plans
 from labkit.kernels.launch import SplitKV
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, mla_decode
-from labkit.triton_paths import (fp8_native_gluon, fp8_native_triton, fp8_native_triton_q8, full_pool_cast_seed,
+from labkit.triton_paths import (fp8_native_triton, fp8_native_triton_q8, full_pool_cast_seed,
                                  full_pool_cast_triton, gather_cast_triton, bf16_pool_triton)
 
 SM_SCALE = 1 / 16
@@ -81,8 +81,7 @@ def test_unplanned_cases_fall_back_to_the_function():
     sparse = batch.with_slots(kvpool.random_slots(batch, 8, seed=1))
     assert triton_plans.fp8_native(True)(pool, sparse, 4, SM_SCALE, qn.dtype) is None
     ds = kvpool.random_pool(1, 256, 16, kv_layout="fp8_ds_mla")
-    assert triton_plans.gluon(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype) is None
-    assert callable(fp8_native_gluon)
+    assert triton_plans.gluon("fast")(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype) is None
 
 
 @pytest.mark.gpu
@@ -90,7 +89,8 @@ def test_unplanned_cases_fall_back_to_the_function():
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_planned_runs_equal_the_checked_launchers(heads):
     """On the GPU (split counts > 1, FP8 queries quantized in the kernel, the Gluon kernel on Hopper)."""
-    cases = CASES + [(fp8_native_gluon, triton_plans.gluon, "fp8_e4m3")]
+    cases = CASES + [(backends.get(f"fp8_native.{n}").fn, triton_plans.gluon(p), "fp8_e4m3")
+                     for n, p in (("gluon", "fast"), ("gluon_acc", "accurate"))]
     for fn, planner, kv_dtype in cases:
         pool = kvpool.random_pool(2, 64 * 400, 64, kv_dtype=kv_dtype, device="cuda", seed=3)
         batch = kvpool.batch_for_pool(pool, [1, 4097, 8192], seed=4)
