@@ -22,7 +22,9 @@ folded into the head weights (relu(s x) = s relu(x) for s > 0), as DeepSeek-V3.2
 indexer does. Three implementations of the logits: "reference" (float64 on the same FP8 values),
 "torch" (keys widened, einsum, relu, weighted sum) and "triton" (labkit.kernels.index_logits,
 reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
-``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``.
+``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
+implementations of the top-k (``topk_impl``): "torch" (``torch.topk``) and "triton"
+(labkit.kernels.topk_select); None picks ``default_topk_impl``: the kernel on CUDA, torch on a CPU.
 """
 from __future__ import annotations
 
@@ -181,12 +183,32 @@ LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits
 
 
 # -- top-k slots ---------------------------------------------------------------------------------
-def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True) -> torch.Tensor:
+TOPK_IMPLS = ("torch", "triton")
+
+
+def default_topk_impl(device) -> str:
+    """The top-k when none is named: the Triton kernel on CUDA; ``torch.topk`` on a CPU, where the
+    kernel would run in Triton's (slow) interpreter."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
+                  topk_impl: str | None = None) -> torch.Tensor:
     """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
-    of each request's best tokens (``torch.topk``, unsorted); a request with kv_lens[b] <= index_topk
-    gets all its tokens in context order, then -1."""
+    of each request's best tokens, unsorted; a request with kv_lens[b] <= index_topk gets all its
+    tokens in context order, then -1. ``topk_impl``: "torch" (``torch.topk``), "triton"
+    (labkit.kernels.topk_select; float64 logits are rounded to float32 first) or None
+    (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    topk_impl = default_topk_impl(logits.device) if topk_impl is None else topk_impl
+    if topk_impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
+    if topk_impl == "triton":
+        slots = _slots_triton(logits, batch, index_topk)
+        if check:
+            check_slots(batch, slots)
+        return slots
     B, T = logits.shape
     pos = torch.arange(index_topk, device=logits.device).expand(B, -1)
     if T > index_topk:
@@ -196,6 +218,16 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     if check:
         check_slots(batch, slots)
     return slots
+
+
+def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
+    from .kernels.topk_select import topk_select
+
+    if logits.dim() != 2 or tuple(logits.shape) != (batch.batch_size, batch.max_len):
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs "
+                         f"{(batch.batch_size, batch.max_len)} (requests, longest context)")
+    return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size,
+                       index_topk)
 
 
 def _at(mask: torch.Tensor, token_indices: torch.Tensor) -> str:
@@ -294,17 +326,17 @@ class Indexer:
             raise ValueError(f"layer={layer}; allowed 0..{self.num_layers - 1}")
         return LOGITS[impl](self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
 
-    def topk(self, layer: int, impl: str = "torch", check: bool = True) -> torch.Tensor:
-        """int32 [B, index_topk] slots of ``layer``."""
-        return select_tokens(self.logits(layer, impl), self.batch, self.index_topk, check)
+    def topk(self, layer: int, impl: str = "torch", check: bool = True, topk_impl: str | None = None) -> torch.Tensor:
+        """int32 [B, index_topk] slots of ``layer``: logits by ``impl``, top-k by ``topk_impl``."""
+        return select_tokens(self.logits(layer, impl), self.batch, self.index_topk, check, topk_impl)
 
-    def step_slots(self, impl: str = "torch", check: bool = True) -> torch.Tensor:
+    def step_slots(self, impl: str = "torch", check: bool = True, topk_impl: str | None = None) -> torch.Tensor:
         """int32 [num_layers, B, index_topk]: one decode step's slots, for DecodeBatch(token_indices=...)."""
-        return torch.stack([self.topk(layer, impl, check) for layer in range(self.num_layers)])
+        return torch.stack([self.topk(layer, impl, check, topk_impl) for layer in range(self.num_layers)])
 
-    def sparse_batch(self, impl: str = "torch") -> DecodeBatch:
+    def sparse_batch(self, impl: str = "torch", topk_impl: str | None = None) -> DecodeBatch:
         """The batch with this step's per-layer slots."""
-        return self.batch.with_slots(self.step_slots(impl))
+        return self.batch.with_slots(self.step_slots(impl, topk_impl=topk_impl))
 
     def cost(self) -> dict:
         """Bytes read and FLOPs of one layer's indexer over this batch."""

@@ -1,0 +1,213 @@
+"""The Triton top-k (labkit.kernels.topk_select) against torch.topk and float64 sorting.
+
+A long context's slots must be topk distinct tokens of its own context whose logits, sorted, equal
+the topk largest logits sorted (exact float comparison): the same set up to ties at the k-th
+logit. A short one (kv_lens[b] <= topk) gets every token in context order, then -1. NaN counts
+as -inf. The CPU tests run Triton's interpreter at small sizes; the GPU test at GLM-5's.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labkit import config, kvpool
+from labkit.indexer import Indexer, check_slots, default_topk_impl, select_tokens, token_ids
+from labkit.kernels.topk_select import candidates, topk_select
+
+POISON = -123456  # what torch.empty gives int32 tensors in these tests: an unwritten slot shows
+
+
+@pytest.fixture
+def poisoned_ints(monkeypatch):
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        t.fill_(float("nan") if t.is_floating_point() else POISON)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _table(lens, page_size, seed=0):
+    """A page table (kv_indptr, kv_indices int32, pages scattered) for contexts of ``lens`` tokens."""
+    pages = [max(1, math.ceil(n / page_size)) for n in lens]
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    return indptr, torch.randperm(sum(pages) + 5, generator=gen)[: sum(pages)].to(torch.int32)
+
+
+def _assert_topk(slots, logits, lens, indptr, indices, page_size, topk):
+    """slots [B, topk] against float64 sorting of logits [B, >= max(lens)], per request."""
+    assert slots.dtype == torch.int32 and tuple(slots.shape) == (len(lens), topk)
+    for b, n in enumerate(lens):
+        start = int(indptr[b])
+        ids = [int(indices[start + p // page_size]) * page_size + p % page_size for p in range(n)]
+        row = slots[b].tolist()
+        if n <= topk:
+            assert row == ids + [-1] * (topk - n), f"request {b}: all {n} tokens in order, then -1"
+            continue
+        where = {t: p for p, t in enumerate(ids)}
+        assert all(t in where for t in row), f"request {b}: a slot outside its context"
+        pos = torch.tensor([where[t] for t in row])
+        assert pos.unique().numel() == topk, f"request {b}: a token twice"
+        x = logits[b, :n].double().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        want = x.sort(descending=True).values[:topk]
+        assert torch.equal(x[pos].sort(descending=True).values, want), f"request {b}: not the top-{topk}"
+
+
+def _rows(T, gen):
+    """[8, T] float32 logits, one kind of row each."""
+    g = torch.randn(8, T, generator=gen)
+    x = g.clone()
+    x[1] = (g[1] * 2).round()  # many ties, also at the k-th value
+    x[2] = -g[2].abs() * 1e-3 - 5.0  # all negative
+    x[3, ::2] = -math.inf  # -inf inside the context
+    x[4] = 0.25  # one value: all ties
+    x[5] = (2 * g[5]).exp()  # heavy right tail
+    x[6, ::37] = 1e30  # outliers: the sample's variance overflows, pivots go NaN (slower, still exact)
+    x[7, ::5] = math.nan
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")  # row 6
+@pytest.mark.parametrize("splits", [1, 3])
+def test_topk_matches_sorting(splits, poisoned_ints):
+    T, topk, page_size = 700, 48, 16
+    lens = [700, 650, 49, 400, 300, 690, 500, 600]
+    x = _rows(T, torch.Generator().manual_seed(splits))
+    indptr, indices = _table(lens, page_size, seed=splits)
+    slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
+                        splits=splits, block=128, cand_block=64, sample=128)
+    _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
+
+
+def test_short_and_edge_lengths(poisoned_ints):
+    """Lengths 0, 1, topk (short: in order, then -1), topk + 1, and topk = 1; page size 1."""
+    T, topk = 40, 17
+    lens = [0, 1, 17, 18, 40]
+    x = torch.randn(len(lens), T, generator=torch.Generator().manual_seed(5))
+    indptr, indices = _table(lens, 1, seed=5)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    for k in (topk, 1):
+        slots = topk_select(x, kv_lens, indptr, indices, 1, k, splits=1, block=16, cand_block=16, sample=16)
+        _assert_topk(slots, x, lens, indptr, indices, 1, k)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_pivot_on_logit_values(splits):
+    """A sample of equal logits (deviation 0) puts every pivot on that value: here the 16 sampled
+    positions hold the maximum, fewer than topk, so they are exactly the bracket's hi; below it
+    every logit is a candidate (no lower pivot), the last one the largest of them."""
+    n, topk, sample = 700, 48, 16
+    x = torch.rand(1, n, generator=torch.Generator().manual_seed(splits))
+    x[0, (torch.arange(sample) * n) // sample] = 2.0
+    x[0, -1] = 1.5
+    indptr, indices = _table([n], 1)
+    slots = topk_select(x, torch.tensor([n], dtype=torch.int32), indptr, indices, 1, topk, splits=splits,
+                        block=128, cand_block=64, sample=sample)
+    _assert_topk(slots, x, [n], indptr, indices, 1, topk)
+
+
+def test_candidates_few_for_smooth_logits():
+    """The pivots fitted to the sample leave few logits for the radix select (the speed of the
+    select pass), for Gaussian, exponential and log-normal logits; 0 for a short request."""
+    n, topk = 8192, 512
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(4, n, generator=gen)
+    x = torch.stack([g[0], -torch.rand(n, generator=gen).log(), g[2].exp(), g[3]])
+    m = candidates(x, torch.tensor([n, n, n, 100], dtype=torch.int32), topk, sample=256)
+    assert m.dtype == torch.int64 and m[3] == 0
+    assert ((m[:3] >= 1) & (m[:3] <= n // 16)).all(), m.tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_select_tokens_triton_equals_torch(page_size):
+    """Through labkit.indexer: the indexer's own logits, both top-k implementations, the same sets."""
+    cfg = config.load_model("tiny")
+    lens, topk = [300, 20, 129], 64
+    pool = kvpool.random_pool(1, page_size * (sum(-(-n // page_size) for n in lens) + 2), page_size, seed=3)
+    batch = kvpool.batch_for_pool(pool, lens, seed=4)
+    ix = Indexer(cfg, pool, batch, seed=5, index_topk=topk)
+    logits = ix.logits(0, "torch")
+    got = select_tokens(logits, batch, topk, topk_impl="triton")  # checked by check_slots too
+    want = select_tokens(logits, batch, topk, topk_impl="torch")
+    for b in range(len(lens)):
+        assert set(got[b].tolist()) == set(want[b].tolist())  # random logits: no ties
+    assert torch.equal(ix.topk(0, "torch", topk_impl="triton"), got)
+    assert default_topk_impl("cpu") == "torch"
+
+
+def test_bad_arguments():
+    x = torch.zeros(2, 8)
+    lens, indptr, indices = torch.tensor([8, 8], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), \
+        torch.tensor([0, 1], dtype=torch.int32)
+    batch = kvpool.DecodeBatch(indptr, indices, lens.clone(), lens, 8)
+    with pytest.raises(ValueError, match=r"topk_impl='cuda'; allowed: \['torch', 'triton'\] or None"):
+        select_tokens(x, batch, 4, topk_impl="cuda")
+    with pytest.raises(ValueError, match=r"logits has shape \(2, 7\); the batch needs \(2, 8\)"):
+        select_tokens(x[:, :7], batch, 4, topk_impl="triton")
+    cases = [
+        (dict(logits=x.double()), "logits has dtype torch.float64"),
+        (dict(kv_lens=lens.long()), "kv_lens has dtype torch.int64"),
+        (dict(kv_indptr=indptr[:2]), "kv_indptr has 2 entries; expected B \\+ 1 = 3"),
+        (dict(topk=0), "topk=0: must be a positive integer"),
+        (dict(page_size=0), "page_size=0"),
+        (dict(splits=0), "splits=0: must be an integer in 1..256, or None"),
+        (dict(block=100), "block=100: must be a power of two >= 16"),
+        (dict(logits=x.t().contiguous().t()), "logits rows must be contiguous"),
+    ]
+    for change, msg in cases:
+        args = dict(logits=x, kv_lens=lens, kv_indptr=indptr, kv_indices=indices, page_size=8, topk=4)
+        args.update(change)
+        with pytest.raises(ValueError, match=msg):
+            topk_select(**args)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("context", [32768, 131072])
+def test_gpu_glm5_topk_equals_torch_topk(context):
+    """64 requests (one short, one of topk + 1, the rest up to ``context``), top-2048, page 64:
+    every split setting, eager and replayed from a CUDA graph, against torch.topk's values."""
+    topk, page_size, B = 2048, 64, 64
+    gen = torch.Generator().manual_seed(context)
+    lens = [700, topk + 1] + torch.randint(context // 2, context + 1, (B - 2,), generator=gen).tolist()
+    lens[-1] = context
+    pool_pages = sum(-(-n // page_size) for n in lens) + 8
+    batch = kvpool.make_batch(pool_pages, page_size, lens, seed=1, device="cuda")
+    x = torch.randn(B, context, device="cuda")
+    x[3] = (2 * x[3]).exp()  # heavy tail
+    x[4] = x[4].round()  # ties
+    x[5, ::3] = -math.inf
+    for splits in (1, 2, None, 32):
+        got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, splits=splits)
+        check_slots(batch, got)
+        _assert_gpu(got, x, batch, topk)
+    graph, static = torch.cuda.CUDAGraph(), {}
+    topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk)  # compiled, warm
+    with torch.cuda.graph(graph):
+        static["out"] = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    _assert_gpu(static["out"], x, batch, topk)
+
+
+def _assert_gpu(slots, x, batch, topk):
+    """Per long request, the logits at the slots, sorted, equal torch.topk's values over its context;
+    short ones as select_tokens gives them (all tokens in order, then -1)."""
+    B, T = x.shape
+    ids = token_ids(batch, torch.arange(T, device=x.device).expand(B, -1))  # [B, T], -1 past each length
+    keyed = torch.where(ids >= 0, ids, 2**62)  # past the lengths: after every real id
+    order = keyed.argsort(1)
+    at = torch.searchsorted(keyed.gather(1, order), slots.long().clamp_min(0)).clamp_max(T - 1)
+    pos = order.gather(1, at)  # [B, topk] context positions of the slots
+    long = torch.tensor(batch.lens_host, device=x.device) > topk
+    assert torch.equal(ids.gather(1, pos)[long], slots.long()[long]), "a slot outside its request's context"
+    want = torch.topk(x.masked_fill(ids < 0, -math.inf), topk, dim=1).values
+    assert torch.equal(x.gather(1, pos).sort(1, descending=True).values[long], want[long]), "not the top-k"
+    short = select_tokens(torch.zeros_like(x), batch, topk, check=False, topk_impl="torch")
+    assert torch.equal(slots[~long], short[~long])
