@@ -223,9 +223,9 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
     from .kernels.topk_select import topk_select
 
-    if logits.dim() != 2 or tuple(logits.shape) != (batch.batch_size, batch.max_len):
-        raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs "
-                         f"{(batch.batch_size, batch.max_len)} (requests, longest context)")
+    if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "
+                         f">= {batch.max_len}) (requests, longest context)")
     return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size,
                        index_topk)
 
