@@ -143,6 +143,16 @@ def token_ids(batch: DecodeBatch, positions: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, ids, torch.full_like(ids, -1))
 
 
+def positions_of(batch: DecodeBatch, slots: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``token_ids``: slots [B, K] int (global token ids, -1 = none) -> [B, K] int64
+    context positions, -1 where a slot is -1 or not a token of its request's context."""
+    ids = _context_ids(batch).to(slots.device)  # [B, max_len]
+    srt, order = torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max).sort(1)
+    s = slots.long()
+    at = torch.searchsorted(srt, s.clamp_min(0)).clamp_max(ids.shape[1] - 1)
+    return torch.where((srt.gather(1, at) == s) & (s >= 0), order.gather(1, at), -1)
+
+
 def _context_ids(batch: DecodeBatch) -> torch.Tensor:
     pos = torch.arange(batch.max_len, device=batch.kv_lens.device).expand(batch.batch_size, -1)
     return token_ids(batch, pos)  # [B, max_len]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import config, kvpool
-from labkit.indexer import Indexer, check_slots, default_topk_impl, select_tokens, token_ids
+from labkit.indexer import Indexer, check_slots, default_topk_impl, positions_of, select_tokens, token_ids
 from labkit.kernels.topk_select import candidates, topk_select
 
 POISON = -123456  # what torch.empty gives int32 tensors in these tests: an unwritten slot shows
@@ -140,6 +140,14 @@ def test_select_tokens_triton_equals_torch(page_size):
     assert default_topk_impl("cpu") == "torch"
 
 
+def test_positions_of_inverts_token_ids():
+    batch = kvpool.make_batch(40, 16, [100, 37, 200], seed=2)
+    pos = torch.tensor([[0, 99, 50, -1, 100], [36, 0, 5, 7, 37], [199, 3, 150, 16, 15]])
+    ids = token_ids(batch, pos).to(torch.int32)
+    assert torch.equal(positions_of(batch, ids), torch.where(pos < torch.tensor([[100], [37], [200]]), pos, -1))
+    assert (positions_of(batch, ids[[1, 2, 0]]) == -1).all(), "tokens of other requests are not found"
+
+
 def test_bad_arguments():
     x = torch.zeros(2, 8)
     lens, indptr, indices = torch.tensor([8, 8], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), \
@@ -199,15 +207,12 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
 def _assert_gpu(slots, x, batch, topk):
     """Per long request, the logits at the slots, sorted, equal torch.topk's values over its context;
     short ones as select_tokens gives them (all tokens in order, then -1)."""
-    B, T = x.shape
-    ids = token_ids(batch, torch.arange(T, device=x.device).expand(B, -1))  # [B, T], -1 past each length
-    keyed = torch.where(ids >= 0, ids, 2**62)  # past the lengths: after every real id
-    order = keyed.argsort(1)
-    at = torch.searchsorted(keyed.gather(1, order), slots.long().clamp_min(0)).clamp_max(T - 1)
-    pos = order.gather(1, at)  # [B, topk] context positions of the slots
+    pos = positions_of(batch, slots)
     long = torch.tensor(batch.lens_host, device=x.device) > topk
-    assert torch.equal(ids.gather(1, pos)[long], slots.long()[long]), "a slot outside its request's context"
-    want = torch.topk(x.masked_fill(ids < 0, -math.inf), topk, dim=1).values
-    assert torch.equal(x.gather(1, pos).sort(1, descending=True).values[long], want[long]), "not the top-k"
+    assert (pos[long] >= 0).all(), "a slot outside its request's context"
+    past = token_ids(batch, torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)) < 0
+    want = torch.topk(x.masked_fill(past, -math.inf), topk, dim=1).values
+    got = x.gather(1, pos.clamp_min(0)).sort(1, descending=True).values
+    assert torch.equal(got[long], want[long]), "not the top-k"
     short = select_tokens(torch.zeros_like(x), batch, topk, check=False, topk_impl="torch")
     assert torch.equal(slots[~long], short[~long])
