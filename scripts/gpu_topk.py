@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""The DSA indexer's logits and top-k on one GPU: ``torch.topk`` beside the Triton top-k
+(labkit.kernels.topk_select) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
+x 128, top-2048, KV pages of 64, pages scattered). Per shape, first the check: the Triton slots of
+every request against torch.topk's values (the logits at the slots, sorted, equal to the top-k
+values: the same set up to ties), then CUDA-graph medians over rotating layers
+(labkit.timing.graph_times) of: the logits kernel, bare torch.topk, select_tokens with each top-k,
+and logits + top-k captured together. Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
+A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
+
+    PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_topk.py --out DIR [--sweep]
+    python3 scripts/gpu_topk.py --device cpu --small --out /tmp/topk   # tiny shapes, Triton's interpreter
+
+--sweep also times top-k tunings (splits, warps, tiles) at every shape, each checked first.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # labkit from a plain checkout
+
+import torch  # noqa: E402
+
+from labkit import config, envinfo, kvpool, timing  # noqa: E402
+from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_triton, positions_of,  # noqa: E402
+                            quantize_index_keys, quantize_index_query, select_tokens, token_ids)
+from labkit.kernels.topk_select import auto_splits, candidates, topk_select  # noqa: E402
+
+SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 131072)]
+SMALL = [(1, 512), (2, 2048)]  # --small: the interpreter's sizes
+TARGET_US = {(1, 32768): 20.0, (64, 32768): 110.0}  # logits + top-k, per layer
+PAGE = 64
+TUNINGS = {  # --sweep: launcher keywords of topk_select, by name
+    "fused": dict(splits=1), "s2": dict(splits=2), "s4": dict(splits=4), "s8": dict(splits=8),
+    "s16": dict(splits=16), "s32": dict(splits=32), "w4": dict(num_warps=4), "w16": dict(num_warps=16),
+    "b512": dict(block=512), "b2048": dict(block=2048), "cb256": dict(cand_block=256),
+    "cb1024": dict(cand_block=1024), "fused_w16": dict(splits=1, num_warps=16),
+}
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+class Case:
+    """One shape: B requests of ``context`` tokens, ``layers`` layers of index keys and queries,
+    the logits of every layer computed once (the top-k timings read them)."""
+
+    def __init__(self, cfg, batch_size: int, context: int, layers: int, device: str, seed: int = 0):
+        self.topk, self.layers = cfg.index_topk, layers
+        pages = batch_size * -(-context // PAGE) + 8
+        self.batch = kvpool.make_batch(pages, PAGE, [context] * batch_size, seed=seed, device=device)
+        self.cache = _random_cache(layers, pages * PAGE, cfg.index_head_dim, device, seed)
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        H, D = cfg.index_n_heads, cfg.index_head_dim
+        q = torch.randn(layers, batch_size, H, D, generator=gen, device=device)
+        w = torch.randn(layers, batch_size, H, generator=gen, device=device) * (H * D) ** -0.5
+        self.q_idx, self.weights = quantize_index_query(q, w)
+        self.logits = [self.index(layer) for layer in range(layers)]
+
+    def index(self, layer: int) -> torch.Tensor:
+        return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
+
+    def triton_topk(self, logits, **kw) -> torch.Tensor:
+        b = self.batch
+        return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
+
+    def torch_topk(self, logits) -> torch.Tensor:
+        return select_tokens(logits, self.batch, self.topk, check=False, topk_impl="torch")
+
+
+def _random_cache(layers: int, tokens: int, head_dim: int, device: str, seed: int) -> IndexCache:
+    """Index keys of random data for ``tokens`` tokens per layer, quantized per token, in chunks."""
+    n_pages = -(-tokens // INDEX_PAGE)
+    cache = IndexCache(torch.empty(layers, n_pages, index_page_bytes(head_dim), dtype=torch.uint8,
+                                   device=device), head_dim)
+    gen = torch.Generator(device=device).manual_seed(seed + 104729)
+    for layer in range(layers):
+        for p0 in range(0, n_pages, 8192):
+            p1 = min(n_pages, p0 + 8192)
+            k8, scale = quantize_index_keys(torch.randn(p1 - p0, INDEX_PAGE, head_dim, generator=gen, device=device))
+            cache.k_idx(layer)[p0:p1] = k8
+            cache.k_scale(layer)[p0:p1] = scale
+    return cache
+
+
+def agreement(case: Case, slots: torch.Tensor, logits: torch.Tensor) -> int:
+    """Requests whose slots are topk distinct tokens of their own context with the top-k logits
+    (sorted, equal to torch.topk's values over the context)."""
+    b, k = case.batch, case.topk
+    pos = positions_of(b, slots)
+    past = token_ids(b, torch.arange(logits.shape[1], device=logits.device).expand(logits.shape[0], -1)) < 0
+    x = logits.masked_fill(past, -math.inf)
+    want = torch.topk(x, k, dim=1).values
+    got = x.gather(1, pos.clamp_min(0)).sort(1, descending=True).values
+    srt = pos.sort(1).values
+    ok = (pos >= 0).all(1) & (srt[:, 1:] != srt[:, :-1]).all(1) & (got == want).all(1)
+    return int(ok.sum())
+
+
+def graph_us(fn_of_layer, a) -> float:
+    return timing.graph_times(fn_of_layer, range(a.layers), replays=a.replays, warmup=a.warmup).us
+
+
+def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
+    """The rows of one shape: the main one (every column), then one per tuning (--sweep)."""
+    row = dict(batch=B, context=ctx, topk=cfg.index_topk, target_us=TARGET_US.get((B, ctx)))
+    try:
+        case = Case(cfg, B, ctx, a.layers, a.device)
+        L = case.logits
+        row["splits"] = auto_splits(B, ctx, a.device)
+        row["agree"] = agreement(case, case.triton_topk(L[0]), L[0])
+        m = candidates(L[0], case.batch.kv_lens, case.topk).float()
+        row.update(requests=B, cand_median=float(m.median()), cand_max=float(m.max()))
+        t = {
+            "logits_us": lambda i: case.index(i),
+            "torch_topk_us": lambda i: torch.topk(L[i], case.topk, dim=1, sorted=False),
+            "torch_select_us": lambda i: case.torch_topk(L[i]),
+            "triton_topk_us": lambda i: case.triton_topk(L[i]),
+            "total_torch_us": lambda i: case.torch_topk(case.index(i)),
+            "total_triton_us": lambda i: case.triton_topk(case.index(i)),
+        }
+        for name, fn in t.items():
+            row[name] = graph_us(fn, a)
+        if row["target_us"] is not None:
+            row["met"] = row["total_triton_us"] <= row["target_us"]
+    except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return [row]
+    rows = [row]
+    for name, kw in tunings.items():
+        r = dict(batch=B, context=ctx, topk=cfg.index_topk, tuning=name, kwargs=json.dumps(kw), requests=B)
+        try:
+            r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])
+            r["triton_topk_us"] = graph_us(lambda i: case.triton_topk(L[i], **kw), a)
+        except Exception as e:  # noqa: BLE001
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(r)
+    del case
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write(out: Path, res: dict) -> None:
+    (out / "gpu_topk.json").write_text(json.dumps(res, indent=1, default=str))
+    keys = sorted({k for r in res["rows"] for k in r})
+    with open(out / "gpu_topk.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(res["rows"])
+
+
+def table(rows) -> str:
+    cols = [("batch", "B", "%d"), ("context", "ctx", "%d"), ("tuning", "tuning", "%s"), ("agree", "ok", "%d"),
+            ("logits_us", "logits", "%.1f"), ("torch_topk_us", "topk", "%.1f"), ("torch_select_us", "t.sel", "%.1f"),
+            ("triton_topk_us", "triton", "%.1f"), ("total_torch_us", "tot.t", "%.1f"),
+            ("total_triton_us", "tot.tri", "%.1f"), ("target_us", "target", "%.0f"), ("cand_median", "cand", "%.0f"),
+            ("splits", "spl", "%d")]
+    lines = [" ".join(f"{h:>8}" for _, h, _ in cols)]
+    for r in rows:
+        cells = [(fmt % r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
+        lines.append(" ".join(f"{c:>8}" for c in cells) + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--small", action="store_true", help="tiny shapes and top-128 (for the CPU interpreter)")
+    ap.add_argument("--sweep", action="store_true", help="also time the top-k tunings")
+    ap.add_argument("--layers", type=int, default=4, help="layers rotated through in each graph")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2, help="graph replays before the timed ones")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here (use --device cpu --small)")
+    cfg = config.load_model("glm5")
+    shapes = SMALL if a.small else SHAPES
+    if a.small:
+        cfg = replace(cfg, index_topk=128)
+        a.layers, a.replays, a.warmup = min(a.layers, 2), min(a.replays, 2), 1
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = dict(env=envinfo.env_info(a.device), command=" ".join(sys.argv), rows=[])
+    tunings = TUNINGS if a.sweep else {}
+    for B, ctx in shapes:
+        log(f"B={B} context={ctx}")
+        for row in measure(cfg, B, ctx, a, tunings):
+            log(json.dumps(row, default=str))
+            res["rows"].append(row)
+        write(out, res)
+    print(table(res["rows"]))
+    bad = [r for r in res["rows"] if "error" in r or r.get("agree") != r.get("requests")]
+    log(f"wrote {out / 'gpu_topk.json'} and .csv; {len(bad)} rows with an error or a mismatch")
+
+
+if __name__ == "__main__":
+    main()
