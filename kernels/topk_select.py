@@ -16,8 +16,9 @@ Method (sample, bracket, then an exact radix select on the few logits left):
 3. compact: one pass writes the positions >= hi to the output (tl.cumsum gives the offsets) and
    the candidates in [lo, hi) (value, position) to a scratch row.
 4. select: radix select, 8 bits a round (tl.histogram), on the candidates' order-preserving int32
-   keys finds the exact k-th key; a pass writes the candidates above it, then as many equal to it
-   as are missing. Last, the row's positions become token slots (page table).
+   keys finds the exact k-th key (rounds within the leading bits that key(lo) and key(hi) - 1
+   share are skipped: every candidate has them); a pass writes the candidates above it, then as
+   many equal to it as are missing. Last, the row's positions become token slots (page table).
 Passes 2-3 cost about 40 and 90 instructions per logit on sm_90; only the candidates (typically
 50-500 logits) pay for histograms. ``splits`` > 1 spreads passes 2-3 of a request over that many
 programs (three launches: count, compact, select); ``splits`` = 1 is one launch, one program per
@@ -47,8 +48,9 @@ def _load_x(ptr, mask):
 
 @triton.jit
 def _skey(x):
-    """int32 whose signed order is the order of the float32 ``x`` (-0.0 just below +0.0)."""
-    b = x.to(tl.int32, bitcast=True)
+    """int32 whose signed order is the order of the float32 ``x`` (equal floats, -0.0 and +0.0
+    included, give equal keys)."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
@@ -172,35 +174,42 @@ def _compact(row, p0, p1, lo, hi, has_hi, d_base, c_base, out, cval, cpos, BLOCK
 
 
 @triton.jit
-def _radix(cval, m, r, CB: tl.constexpr):
+def _radix(cval, m, r, lo, hi, has_hi, CB: tl.constexpr):
     """Signed key of the r-th largest of cval[0:m] (1 <= r <= m), and how many of the r largest
-    equal it. Radix select, 8 bits a round, on the unsigned form of the key (sign bit flipped)."""
+    equal it. Radix select, 8 bits a round, on the unsigned form of the key (sign bit flipped).
+    Every candidate lies in [lo, hi) (no upper bound without has_hi), so their keys share the
+    leading bits of key(lo) and key(hi) - 1: rounds inside that common prefix are skipped."""
     bins = tl.arange(0, 256)
+    k_lo = _skey(lo) ^ -2147483648
+    k_last = tl.where(has_hi & (hi == hi), (_skey(hi) ^ -2147483648) - 1, -1)  # -1: all ones
+    same = k_lo ^ k_last  # zero in the bits every candidate shares
     prefix = m * 0  # the key bits fixed so far, unsigned form
     for rnd in tl.static_range(4):
         shift = 24 - 8 * rnd  # a constexpr: rnd is one
-        hist = tl.zeros([256], tl.int32)
-        for s in range(0, m, CB):
-            i = s + tl.arange(0, CB)
-            ok = i < m
-            uk = _skey(tl.load(cval + i, mask=ok, other=0.0)) ^ -2147483648
-            if rnd > 0:
-                ok = ok & (((uk ^ prefix) >> (shift + 8)) == 0)
-            hist += tl.histogram((uk >> shift) & 255, 256, mask=ok)
-        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
-        d = tl.max(tl.where(ge >= r, bins, -1), 0)
-        r -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        d = (k_lo >> shift) & 255
+        if (same >> shift) != 0:  # candidates differ in this digit: count them
+            hist = tl.zeros([256], tl.int32)
+            for s in range(0, m, CB):
+                i = s + tl.arange(0, CB)
+                ok = i < m
+                uk = _skey(tl.load(cval + i, mask=ok, other=0.0)) ^ -2147483648
+                if rnd > 0:
+                    ok = ok & (((uk ^ prefix) >> (shift + 8)) == 0)
+                hist += tl.histogram((uk >> shift) & 255, 256, mask=ok)
+            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
+            d = tl.max(tl.where(ge >= r, bins, -1), 0)
+            r -= tl.sum(tl.where(bins > d, hist, 0), 0)
         prefix = prefix | (d << shift)
     return prefix ^ -2147483648, r
 
 
 @triton.jit
-def _select(cval, cpos, m, r, out, CB: tl.constexpr):
-    """Write the positions of the r largest of the m candidates (cval/cpos) to out[0:r]."""
+def _select(cval, cpos, m, r, lo, hi, has_hi, out, CB: tl.constexpr):
+    """Write the positions of the r largest of the m candidates (cval/cpos, in [lo, hi)) to out[0:r]."""
     kth = m * 0 - 2147483647 - 1  # below every key: all m taken (r == m)
     r_eq = m * 0
     if r < m:
-        kth, r_eq = _radix(cval, m, r, CB)
+        kth, r_eq = _radix(cval, m, r, lo, hi, has_hi, CB)
     n_gt = m * 0
     n_eq = m * 0
     for s in range(0, m, CB):
@@ -221,12 +230,12 @@ def _select(cval, cpos, m, r, out, CB: tl.constexpr):
 
 
 @triton.jit
-def _finish(cval, cpos, c_lo, c_top, out, pages, topk, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-            CB: tl.constexpr):
+def _finish(cval, cpos, c_lo, c_top, lo, hi, has_hi, out, pages, topk, PAGE: tl.constexpr,
+            BLOCK: tl.constexpr, CB: tl.constexpr):
     """After the compact pass (out[0:c_top] holds the positions >= hi): select the rest from the
     candidates, then turn the row's positions into slots."""
     tl.debug_barrier()  # candidates and positions come from other threads (or programs)
-    _select(cval, cpos, c_lo - c_top, topk - c_top, out + c_top, CB)
+    _select(cval, cpos, c_lo - c_top, topk - c_top, lo, hi, has_hi, out + c_top, CB)
     tl.debug_barrier()
     _to_slots(out, pages, topk, PAGE, BLOCK)
 
@@ -248,7 +257,7 @@ def _topk_fused_kernel(logits, stride_l, lens, indptr, indices, out, cval, cpos,
         lo, hi, has_hi, c_lo, c_top = _bracket(_count(row, 0, n, piv, NP, BLOCK), piv, n, topk, NP)
         cv, cp = cval + b * stride_c, cpos + b * stride_c
         _compact(row, 0, n, lo, hi, has_hi, n * 0, n * 0, o, cv, cp, BLOCK)
-        _finish(cv, cp, c_lo, c_top, o, pages, topk, PAGE, BLOCK, CB)
+        _finish(cv, cp, c_lo, c_top, lo, hi, has_hi, o, pages, topk, PAGE, BLOCK, CB)
 
 
 @triton.jit
@@ -275,10 +284,11 @@ def _topk_count_kernel(logits, stride_l, lens, counts, pivots, topk, SPLITS: tl.
 
 
 @triton.jit
-def _chunk_counts(counts, b, n, topk, SPLITS: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr,
+def _chunk_counts(counts, pivots, b, n, topk, SPLITS: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """The count pass of request b read back: jlo, and per chunk q [SP] (SPLITS rounded up to a
-    power of two) its index, its count >= lo and its count >= hi (0 past the last chunk)."""
+    """The count pass of request b read back: the bracket (lo, hi, has_hi), and per chunk q [SP]
+    (SPLITS rounded up to a power of two) its index, its count >= lo and its count >= hi (0 past
+    the last chunk)."""
     q = tl.arange(0, SP)
     j = tl.arange(0, NP)
     cnt = tl.load(counts + (b * SPLITS + q[:, None]) * NP + j[None, :], mask=q[:, None] < SPLITS, other=0)
@@ -286,7 +296,10 @@ def _chunk_counts(counts, b, n, topk, SPLITS: tl.constexpr, SP: tl.constexpr, NP
     length = tl.minimum(tl.maximum(n - q * _chunk(n, SPLITS, BLOCK), 0), _chunk(n, SPLITS, BLOCK))
     q_lo = tl.where(jlo >= 0, tl.sum(tl.where(j[None, :] == jlo, cnt, 0), 1), length)
     q_top = tl.sum(tl.where(j[None, :] == jlo + 1, cnt, 0), 1)
-    return jlo, q, q_lo, q_top
+    jc = tl.arange(0, NP)[:, None]
+    piv = tl.load(pivots + b * NP + jc)
+    lo = tl.where(jlo >= 0, _pick(piv, jc, jlo), float("-inf"))
+    return lo, _pick(piv, jc, jlo + 1), jlo + 1 < NP, q, q_lo, q_top
 
 
 @triton.jit
@@ -297,19 +310,15 @@ def _topk_compact_kernel(logits, stride_l, lens, out, cval, cpos, stride_c, coun
     p = tl.program_id(1)
     n = tl.load(lens + b)
     if n > topk:
-        jlo, q, q_lo, q_top = _chunk_counts(counts, b, n, topk, SPLITS, SP, NP, BLOCK)
-        j = tl.arange(0, NP)[:, None]
-        piv = tl.load(pivots + b * NP + j)
-        lo = tl.where(jlo >= 0, _pick(piv, j, jlo), float("-inf"))
+        lo, hi, has_hi, q, q_lo, q_top = _chunk_counts(counts, pivots, b, n, topk, SPLITS, SP, NP, BLOCK)
         chunk = _chunk(n, SPLITS, BLOCK)
         _compact(logits + b * stride_l, tl.multiple_of(p * chunk, BLOCK), tl.minimum(n, (p + 1) * chunk), lo,
-                 _pick(piv, j, jlo + 1), jlo + 1 < NP, tl.sum(tl.where(q < p, q_top, 0), 0),
-                 tl.sum(tl.where(q < p, q_lo - q_top, 0), 0), out + b * topk, cval + b * stride_c,
-                 cpos + b * stride_c, BLOCK)
+                 hi, has_hi, tl.sum(tl.where(q < p, q_top, 0), 0), tl.sum(tl.where(q < p, q_lo - q_top, 0), 0),
+                 out + b * topk, cval + b * stride_c, cpos + b * stride_c, BLOCK)
 
 
 @triton.jit
-def _topk_select_kernel(lens, indptr, indices, out, cval, cpos, stride_c, counts, topk, SPLITS: tl.constexpr,
+def _topk_select_kernel(lens, indptr, indices, out, cval, cpos, stride_c, counts, pivots, topk, SPLITS: tl.constexpr,
                         SP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr,
                         NP: tl.constexpr):
     """Program b: request b's short-context slots, or the selection among its candidates."""
@@ -320,9 +329,9 @@ def _topk_select_kernel(lens, indptr, indices, out, cval, cpos, stride_c, counts
     if n <= topk:
         _write_short(o, pages, n, topk, PAGE, BLOCK)
     else:
-        jlo, q, q_lo, q_top = _chunk_counts(counts, b, n, topk, SPLITS, SP, NP, BLOCK)
-        _finish(cval + b * stride_c, cpos + b * stride_c, tl.sum(q_lo, 0), tl.sum(q_top, 0), o, pages, topk,
-                PAGE, BLOCK, CB)
+        lo, hi, has_hi, q, q_lo, q_top = _chunk_counts(counts, pivots, b, n, topk, SPLITS, SP, NP, BLOCK)
+        _finish(cval + b * stride_c, cpos + b * stride_c, tl.sum(q_lo, 0), tl.sum(q_top, 0), lo, hi, has_hi, o,
+                pages, topk, PAGE, BLOCK, CB)
 
 
 def _check(name, t, dtype, dims):
@@ -364,7 +373,7 @@ def _resolve(logits, kv_lens, topk, splits, block, cand_block, sample):
 
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
-                block: int = 1024, cand_block: int = 512, sample: int | None = None, num_warps: int = 8) -> torch.Tensor:
+                block: int = 1024, cand_block: int = 256, sample: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -408,7 +417,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     chunks = dict(SPLITS=splits, SP=triton.next_power_of_2(splits), PAGE=page_size)
     _topk_compact_kernel[(B, splits)](logits, logits.stride(0), kv_lens, out, cval, cpos, cap, counts, pivots,
                                       topk, SPLITS=splits, SP=chunks["SP"], **tiles)
-    _topk_select_kernel[(B,)](kv_lens, kv_indptr, kv_indices, out, cval, cpos, cap, counts, topk, CB=cand_block,
+    _topk_select_kernel[(B,)](kv_lens, kv_indptr, kv_indices, out, cval, cpos, cap, counts, pivots, topk, CB=cand_block,
                               **chunks, **tiles)
     return out
 

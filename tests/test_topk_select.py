@@ -14,6 +14,7 @@ import torch
 
 from labkit import config, kvpool
 from labkit.indexer import Indexer, check_slots, default_topk_impl, positions_of, select_tokens, token_ids
+from labkit.kernels import topk_select as topk_module
 from labkit.kernels.topk_select import candidates, topk_select
 
 POISON = -123456  # what torch.empty gives int32 tensors in these tests: an unwritten slot shows
@@ -138,6 +139,27 @@ def test_select_tokens_triton_equals_torch(page_size):
         assert set(got[b].tolist()) == set(want[b].tolist())  # random logits: no ties
     assert torch.equal(ix.topk(0, "torch", topk_impl="triton"), got)
     assert default_topk_impl("cpu") == "torch"
+
+
+def test_keys_follow_float_order():
+    """The radix select's int32 keys: the order of the floats, equal keys for equal floats (-0.0
+    and +0.0 too: the radix skips rounds on the keys of a float bracket)."""
+    import triton  # here, not at the top: labkit must choose the interpreter before triton loads
+    import triton.language as tl
+
+    @triton.jit
+    def _keys_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, topk_module._skey(tl.load(x_ptr + i)))
+
+    tiny = torch.finfo(torch.float32).tiny
+    v = torch.tensor([-math.inf, -3e38, -1.5, -1.0, -tiny, -1e-45, -0.0, 0.0, 1e-45, tiny, 1.0, 1.5, 3e38, math.inf])
+    x = torch.cat([v, v.flip(0), torch.randn(4)])  # 32 values
+    keys = torch.empty(32, dtype=torch.int32)
+    _keys_kernel[(1,)](x, keys, N=32)
+    a, b = x[:, None], x[None, :]
+    ka, kb = keys[:, None], keys[None, :]
+    assert torch.equal(ka < kb, a < b) and torch.equal(ka == kb, a == b)
 
 
 def test_positions_of_inverts_token_ids():
