@@ -7,6 +7,7 @@
     labkit.kernels.mla_decode_fp8.mla_decode_fp8(...)           the same over FP8 KV
     labkit.kernels.mla_decode_fp8_gluon.mla_decode_fp8_gluon(...)  Gluon, Hopper: FP8 wgmma for both products
     labkit.kernels.mla_merge.mla_merge(part_out, part_lse, ...)  split-KV merge (both decodes)
+    labkit.kernels.topk_select.topk_select(logits, kv_lens, ...)  DSA indexer top-k -> token slots
 
 The launchers are not re-exported here: their names equal their modules' and would shadow them.
 """
