@@ -19,13 +19,13 @@ Method (sample, bracket, then an exact radix select on the few logits left):
    keys finds the exact k-th key (rounds within the leading bits that key(lo) and key(hi) - 1
    share are skipped: every candidate has them); a pass writes the candidates above it, then as
    many equal to it as are missing. Last, the row's positions become token slots (page table).
-Passes 2-3 cost about 40 and 90 instructions per logit on sm_90; only the candidates (typically
-50-500 logits) pay for histograms. ``splits`` > 1 spreads passes 2-3 of a request over that many
+Passes 2-3 cost about 40 and 90 instructions per logit (their loops' SASS for sm_90); only the
+candidates (typically 50-500 logits) pay for histograms. ``splits`` > 1 spreads passes 2-3 of a request over that many
 programs (three launches: count, compact, select); ``splits`` = 1 is one launch, one program per
 request.
 
 Bytes moved per request of n > topk positions: 4 * n read twice (count, compact) plus the sample;
-8 B written per candidate and read back 5 times; 4 * topk written twice (positions, then slots)
+8 B written per candidate and read back up to 5 times; 4 * topk written twice (positions, then slots)
 and read once, 4 B of page table per slot.
 """
 from __future__ import annotations
@@ -75,8 +75,9 @@ def _write_short(out, pages, n, topk, PAGE: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _pick(v, j, k):
-    """v[k] (0 when k is outside) of a column v [NP, 1], j = its row index: every thread holds
-    every row, so this sum stays in-thread and is exact (one nonzero term)."""
+    """v[k] (0 when k is outside) of a column v [NP, 1], j = its row index; exact (one nonzero
+    term). A reduction: on sm_90 each costs a layout change or a cross-warp sum (the [NP, 1]
+    columns get a layout of their own), which makes the pivot rounds about 350 instructions each."""
     return tl.sum(tl.sum(tl.where(j == k, v, 0), 1), 0)
 
 
