@@ -24,7 +24,7 @@ indexer does. Three implementations of the logits: "reference" (float64 on the s
 reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
 ``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
 implementations of the top-k (``topk_impl``): "torch" (``torch.topk``) and "triton"
-(labkit.kernels.topk_select); None picks ``default_topk_impl``: the kernel on CUDA, torch on a CPU.
+(labkit.kernels.topk_select); None picks ``default_topk_impl``: where it measured faster.
 """
 from __future__ import annotations
 
@@ -196,10 +196,14 @@ LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits
 TOPK_IMPLS = ("torch", "triton")
 
 
-def default_topk_impl(device) -> str:
-    """The top-k when none is named: the Triton kernel on CUDA; ``torch.topk`` on a CPU, where the
-    kernel would run in Triton's (slow) interpreter."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+TRITON_TOPK_MAX_LEN = 8192  # H200 (scripts/gpu_topk.py, run 7c): 20.5 us against torch's 72 at 1 x 8K; 159 against 75 at 32K
+
+
+def default_topk_impl(device, max_len: int = 0) -> str:
+    """The top-k when none is named: the Triton kernel on CUDA up to ``TRITON_TOPK_MAX_LEN`` tokens of
+    context (past it, measured slower than ``torch.topk``); ``torch.topk`` on a CPU, where the kernel
+    would run in Triton's (slow) interpreter."""
+    return "triton" if torch.device(device).type == "cuda" and max_len <= TRITON_TOPK_MAX_LEN else "torch"
 
 
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
@@ -211,7 +215,7 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-    topk_impl = default_topk_impl(logits.device) if topk_impl is None else topk_impl
+    topk_impl = default_topk_impl(logits.device, batch.max_len) if topk_impl is None else topk_impl
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
     if topk_impl == "triton":
