@@ -151,7 +151,7 @@ def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
     ``fp8_native.triton_rows_acc`` reads top-k rows. Raises the first refusal when none does."""
     lab = on_pool(dl, path)
     first = pick_for_lab(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(lab, batch=dl.sparse))
-    family = [backends.get(n) for n in backends.names(path) if n.split(".", 1)[1].startswith(first.impl)]
+    family = [b for b in map(backends.get, backends.names(path)) if b.impl.startswith(first.impl)]  # peers: no dot
     family.sort(key=lambda b: b.precision != "accurate")
     refusal = None
     for b in [first] + family:

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import config, dsa, reference
+from labkit import backends, config, dsa, reference
 from labkit.config import LabParams
 from labkit.profiling import DSA_CATEGORIES
 
@@ -155,3 +155,15 @@ def test_index_and_topk_ranges_set_the_category(name, notes, expected):
     from labkit.profiling import categorize
 
     assert categorize(name, "float", (), notes) == expected
+
+
+def test_pick_with_peers_registered(monkeypatch):
+    """A peer's name has no implementation suffix (FlashInfer's "flashinfer_mla"): where it is
+    registered (a GPU machine with FlashInfer), picking a sparse path still works and never gives it."""
+    from dataclasses import replace as dc_replace
+
+    peer = dc_replace(backends.get("fp8_native.torch"), name="flashinfer_peer", impl="flashinfer")
+    monkeypatch.setitem(backends.REGISTRY, peer.name, peer)
+    dl = _lab()
+    for path in dsa.SPARSE_PATHS:
+        assert dsa.pick(dl, path).impl != "flashinfer"
