@@ -11,7 +11,9 @@
 # ../shared/tools/flashinfer-offline.sh (-> fi/); carry both folders. Both install into /tmp/site.
 # Such a copy has no .git: pass the revision it was made from as LAB_GIT_REV (results record it):
 #   LAB_GIT_REV=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty) bash scripts/gpu_study.sh
-# Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others.
+# Each stage has a time limit (seconds, T_<stage>) so that a slow one cannot lose the others. On the
+# H200 (run 7): warm ~70 s, tests ~350 s (>= 121 tests in 210 s), bench ~75 s, notebooks ~250 s;
+# with a 600 s limit per device call, run "tests" alone and "warm bench notebooks" in another.
 # The run folder gets finished.json (labkit.results.FINISHED) last, and only when every stage exited 0;
 # without it load_runs and the report call its records partial (stages.log says which stage failed).
 set -uo pipefail
@@ -43,9 +45,9 @@ for s in $stages; do
     # compile the rows kernel's specializations and FlashInfer's modules in parallel (Triton's disk cache)
     warm) stage warm "${T_warm:-150}" python3 scripts/gpu_rows.py --warm 12 --out "$run_dir/warm" ;;
     bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ${BENCH_ARGS:-} ;;
-    notebooks) stage notebooks "${T_notebooks:-210}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
+    notebooks) stage notebooks "${T_notebooks:-330}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
-    tests) stage tests "${T_tests:-180}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
+    tests) stage tests "${T_tests:-420}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
              tests/test_lab.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
              tests/test_indexer.py tests/test_sparse_paths.py tests/test_dsa.py tests/test_rows_plan.py \
