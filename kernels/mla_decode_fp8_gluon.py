@@ -4,7 +4,10 @@ The function of ``mla_decode_fp8`` (split-KV, ``mla_merge`` as stage 2, ``k_scal
 softmax scale, ``v_scale`` into the output), written in Gluon (Triton's explicit-layout dialect)
 so that V never goes through shared memory a second time:
 
-* One CTA = one warpgroup (4 warps) per (request, head block, split). Each 64-token run of a page
+* One CTA per (request, head block, split): one warpgroup (4 warps) for 16 or 32 heads; two (8
+  warps) for a block of 64 heads (128 heads: two blocks), where the score MMA splits the heads
+  between the warpgroups and p @ V splits the 512 rows (``_col_of_row8``: 8-byte loads of V).
+  Each 64-token run of a page
   is a dense [64, 576] box of the pool: TMA copies it into a ring of NUM_STAGES shared-memory
   buffers, mbarriers say when a buffer is full, NUM_STAGES - 1 tiles stay in flight.
 * Scores: s^T [64 tokens, BLOCK_H] = K @ q^T, one FP8 wgmma with the tile as the A operand straight
@@ -18,15 +21,22 @@ so that V never goes through shared memory a second time:
   P_SCALE (exact, a power of two) and stored as e4m3 into a [BLOCK_H, 64] buffer (the B operand).
   The relabelling is undone when the output is written (a free reshape, then one pass through
   shared memory so that the partials leave in 16-byte stores).
+* Sparse (``token_indices``): a tile is 64 token slots; their rows come by cp.async (no row gather
+  in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size.
+* precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
+  the same accumulators; twice the MMAs, V unchanged.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:
   TMA fills the box past it with zeros (stale bytes, even NaN, never reach shared memory) and the
   scores there are masked to -inf; the loop over whole tiles runs unmasked.
 
-Shared memory: NUM_STAGES x 36 KB of tiles + BLOCK_H x 576 B of query + BLOCK_H x 64 B of p.
+Shared memory: NUM_STAGES x 36 KB of tiles + BLOCK_H x 576 B of query + BLOCK_H x 64 B of p (x2 each
+when accurate).
 Moves L*576 B of KV (L = tokens read, whole 64-token tiles) + B*H*(576 + 512)*2 B of queries and
 outputs (+ B*H*S*513*4 B of split partials, twice); 2*H*L*(576 + 512) FLOPs (x BLOCK_H/H padded).
-Error: FP8 query (one scale per CTA) and FP8 probabilities: 2.7-2.8e-2 relative to the exact result (H200, run 6).
-Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); page sizes 64 and 128; 1..32 heads.
+Error (H200, run 7b): fast, FP8 query (one scale per CTA) and FP8 probabilities, 2.7-2.9e-2 relative
+to the exact result; accurate 2.2-2.9e-3 up to 64 heads, 3.7e-3 at 128 (dense 64 x 8K).
+Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); dense pages of 64 and 128, sparse
+any; 1..128 heads.
 """
 from __future__ import annotations
 
