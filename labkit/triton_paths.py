@@ -10,9 +10,12 @@
                            KV, 16-bit query: the same numbers as the cast paths (~1e-3 rel. error)
     fp8_native.triton_q8   ``mla_decode_fp8`` as it defaults: query in FP8 too (the trtllm_mla way),
                            2.5-2.6e-2 relative error (H200, run 6)
-    fp8_native.gluon       ``mla_decode_fp8_gluon``: TMA ring, both products as FP8 wgmma (V^T a register
-                           operand, p in e4m3): no 16-bit copy of V anywhere; 2.7-2.8e-2 relative error;
-                           Hopper (sm_90) only, no CPU interpreter; page sizes 64/128, up to 32 heads
+    fp8_native.gluon       ``mla_decode_fp8_gluon``: TMA ring (cp.async rows for sparse slots), both
+                           products as FP8 wgmma (V^T a register operand, p in e4m3): no 16-bit copy of V
+                           anywhere; 2.7-2.9e-2 relative error; Hopper (sm_90) only, no CPU interpreter;
+                           dense pages of 64/128, sparse any; 1-128 heads; per-tensor layout
+    fp8_native.gluon_acc   the same, precision="accurate": q and p each as two e4m3 terms, 2.2-2.9e-3;
+                           up to 64 heads (3.7e-3 measured at 128)
     bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)
 
 Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
