@@ -1,10 +1,11 @@
 """The notebooks as a user meets them: JupyterLab from the project's venv, headless Chromium.
 
-One server (127.0.0.1, a free port, no token) and one browser for the module. Its root holds
+One server (127.0.0.1, a free port, no token) and one browser, driven from a thread while the rest
+of the suite runs (``LabRuns``, a ``background`` scenario: tests/conftest.py). Its root holds
 ``RUN_WHOLE`` as committed (outputs dropped), each run with the menu Run -> Run All Cells, and the
 other notebooks as `labkit run` executed them for tests/test_notebooks.py (conftest's
-``notebook_run``), opened without running: every notebook runs once per check, not once per check
-and mode. Each is checked for what the page shows: every code cell numbered, no error output
+``notebook_run``), each opened without running as soon as that run has executed it: every notebook
+runs once per check, not once per check and mode. Each is checked for what the page shows: every code cell numbered, no error output
 (stderr warnings are fine, tracebacks are not) and, in notebooks whose code plots, at least one PNG
 plot with a nonzero size. Full-notebook screenshots, the run notebooks' own records and figures
 (``LABKIT_RUN_DIR``) and a ``browser.json`` summary go to a temporary folder (or to
@@ -59,26 +60,6 @@ def _say(request, line: str, end: str = "") -> None:
         print(f"\n{line}", end=end, flush=True)
 
 
-@pytest.fixture(scope="module")
-def chromium_or_reason():
-    """(a Playwright browser on the local Chromium, None), or (None, why there is none).
-    One per module: Playwright's sync API allows one session at a time in a thread."""
-    with contextlib.ExitStack() as stack:
-        try:
-            yield stack.enter_context(lb.open_browser()), None
-        except lb.BrowserUnavailable as e:
-            yield None, str(e)
-
-
-@pytest.fixture(scope="module")
-def chromium(chromium_or_reason):
-    """The browser; skips (saying what is missing) if there is none."""
-    browser, reason = chromium_or_reason
-    if browser is None:
-        _unavailable(reason)
-    return browser
-
-
 SELFCHECK = "zz_selfcheck.ipynb"  # not a lab notebook: a warning, a plot, then an exception
 
 
@@ -100,62 +81,112 @@ def _whole(nb: Path) -> bool:
     return nb.stem in RUN_WHOLE
 
 
-@pytest.fixture(scope="module")
-def lab_server(tmp_path_factory, notebook_run):
-    """One JupyterLab for the module; root: RUN_WHOLE as committed (outputs dropped), the others as
-    executed by `labkit run`, and the self-check. Its kernels record into the run folder
-    (``LABKIT_RUN_DIR``), beside the screenshots."""
-    tmp = tmp_path_factory.mktemp("lab")
-    lb.copy_notebooks([nb for nb in NOTEBOOKS if _whole(nb)], tmp / "root")
-    executed = [notebook_run[0] / nb.name for nb in NOTEBOOKS if not _whole(nb)]
-    lb.copy_notebooks(executed, tmp / "root", strip_outputs=False)
-    _write_selfcheck(tmp / "root" / SELFCHECK)
-    run_dir = _run_dir(tmp / "run")
-    with lb.LabServer(tmp / "root", state_dir=tmp / "state", env={"LABKIT_RUN_DIR": str(run_dir)}) as server:
-        server.run_dir = run_dir
-        yield server
+class LabRuns:
+    """The runs in JupyterLab: one server and one browser. The root holds RUN_WHOLE as committed
+    (outputs dropped) and the self-check, both run from the UI at once; the other notebooks are
+    copied in as `labkit run` executed them, each opened as soon as it has (``job.executed``).
+    Kernels record into ``run_dir`` (``LABKIT_RUN_DIR``), beside the screenshots. Holds ``runs``
+    (notebook name -> NotebookRun, the self-check's too), ``selfcheck_error``, ``reason`` (why there
+    is no browser) and ``lines`` for the terminal."""
+
+    def __init__(self, job):
+        self.job, self.run_dir = job, _run_dir(job.tmp / "run")
+        self.runs, self.lines, self.busy_s = {}, [], 0.0
+        self.reason = self.selfcheck_error = None
+
+    def run(self) -> "LabRuns":
+        try:
+            browser = self.job.browser()
+        except lb.BrowserUnavailable as e:
+            self.reason = str(e)
+            return self
+        self._serve(browser)
+        return self
+
+    def _serve(self, browser) -> None:
+        root = self.job.tmp / "root"
+        lb.copy_notebooks([nb for nb in NOTEBOOKS if _whole(nb)], root)
+        _write_selfcheck(root / SELFCHECK)
+        with lb.LabServer(root, state_dir=self.job.tmp / "state", env={"LABKIT_RUN_DIR": str(self.run_dir)}) as server:
+            self.lines.append(f"browser run folder (screenshots, records): {self.run_dir}")
+            try:
+                self._notebooks(browser, server, whole=True)
+                self._selfcheck(browser, server)
+                self._notebooks(browser, server, whole=False)
+            finally:
+                runs = [self.runs[nb.name] for nb in NOTEBOOKS if nb.name in self.runs]
+                (self.run_dir / "browser.json").write_text(json.dumps(
+                    {"total_s": round(self.busy_s, 1), "notebooks": [r.summary() for r in runs]}, indent=1))
+                if any(not r.done for r in runs):
+                    shutil.copy(server.log_path, self.run_dir / "jupyter-lab.log")
+        self.lines.append(f"browser: {len(runs)} notebooks in {self.busy_s:.0f} s -> {self.run_dir}")
+
+    def _notebooks(self, browser, server, whole: bool) -> None:
+        """RUN_WHOLE run from the UI (``whole``), or the others opened with their stored outputs, in order."""
+        page = browser.new_page()
+        try:
+            for nb in NOTEBOOKS:
+                if _whole(nb) != whole:
+                    continue
+                if not whole:
+                    page.goto("about:blank")  # no JupyterLab polling its server while this waits
+                executed = nb if whole else self.job.executed(nb.name)
+                if executed is None or self.job.stop.is_set():  # the session ended first
+                    return
+                if not whole:
+                    lb.copy_notebooks([executed], server.root_dir, strip_outputs=False)
+                t0, shot = time.monotonic(), self.run_dir / lb.screenshot_name(nb)
+                if whole:
+                    r = lb.run_notebook_safely(page, server, nb.name, timeout=TIMEOUT_S, screenshot=shot)
+                else:
+                    r = lb.open_notebook_safely(page, server, nb.name, screenshot=shot)
+                server.shutdown_kernels()
+                self.busy_s += time.monotonic() - t0
+                self.runs[nb.name] = r
+                self.lines.append(f"  {nb.name} ({'run' if whole else 'opened'}): {r.seconds:.1f} s, "
+                                  f"{r.numbered}/{r.expected} cells, "
+                                  f"{len(r.errors)} errors, {len(r.warnings)} stderr, {r.plots} plots")
+        finally:
+            page.close()
+
+    def _selfcheck(self, browser, server) -> None:
+        page = browser.new_page()
+        try:
+            self.runs[SELFCHECK] = lb.run_notebook_in_lab(page, server, SELFCHECK, timeout=120)
+        except Exception as e:  # noqa: BLE001  (raised again in the self-check's test)
+            self.selfcheck_error = e
+        finally:
+            page.close()
+            server.shutdown_kernels()
+
+
+def _lab(job) -> LabRuns:
+    """LabRuns, in a thread from the session's first test on (``background``, tests/conftest.py)."""
+    return LabRuns(job).run()
 
 
 @pytest.fixture(scope="module")
-def lab_runs(chromium, lab_server, request):
-    """RUN_WHOLE run from the UI, the others opened with their stored outputs, in order."""
+def lab_runs(background, notebook_run, request):
+    """The notebooks' runs in JupyterLab (LabRuns.runs) once they have ended. ``notebook_run`` (not
+    read here) starts `labkit run`, whose executed notebooks LabRuns opens."""
     if not NOTEBOOKS:
         pytest.skip(f"no notebooks in {NOTEBOOK_DIR}")
-    run_dir = lab_server.run_dir
-    _say(request, f"browser run folder (screenshots, records): {run_dir}")
-    runs = {}
-    t0 = time.monotonic()
-    page = chromium.new_page()
-    try:
-        for nb in NOTEBOOKS:
-            shot = run_dir / lb.screenshot_name(nb)
-            if _whole(nb):
-                r = lb.run_notebook_safely(page, lab_server, nb.name, timeout=TIMEOUT_S, screenshot=shot)
-            else:
-                r = lb.open_notebook_safely(page, lab_server, nb.name, screenshot=shot)
-            lab_server.shutdown_kernels()
-            runs[nb.name] = r
-            _say(request, f"  {nb.name} ({'run' if _whole(nb) else 'opened'}): {r.seconds:.1f} s, "
-                          f"{r.numbered}/{r.expected} cells, "
-                          f"{len(r.errors)} errors, {len(r.warnings)} stderr, {r.plots} plots")
-    finally:
-        page.close()
-        (run_dir / "browser.json").write_text(json.dumps(
-            {"total_s": round(time.monotonic() - t0, 1),
-             "notebooks": [r.summary() for r in runs.values()]}, indent=1))
-        if any(not r.done for r in runs.values()):
-            shutil.copy(lab_server.log_path, run_dir / "jupyter-lab.log")
-    _say(request, f"browser: {len(runs)} notebooks in {time.monotonic() - t0:.0f} s -> {run_dir}", end="\n")
-    return runs
+    lab = background(_lab)
+    for i, line in enumerate(lab.lines):
+        _say(request, line, end="\n" if i == len(lab.lines) - 1 else "")
+    if lab.reason is not None:
+        _unavailable(lab.reason)
+    return lab
 
 
 def _clip(texts, n=1500) -> str:
     return "\n---\n".join(t[-n:] for t in texts)
 
 
+@pytest.mark.background.with_args(_lab)
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_in_jupyterlab(lab_runs, nb):
-    r = lab_runs[nb.name]
+    r = lab_runs.runs[nb.name]
     where = f"(screenshot: {r.screenshot})"
     assert r.failure is None, f"{nb.name}: {r.failure} {where}"
     assert r.dialog is None, f"{nb.name}: a dialog blocked the run: {r.dialog!r} {where}"
@@ -166,15 +197,13 @@ def test_notebook_runs_in_jupyterlab(lab_runs, nb):
         assert r.plots >= 1, f"{nb.name} plots, but no PNG plot rendered {where}: sizes {r.images}"
 
 
-def test_checks_catch_an_exception_and_pass_a_warning(chromium, lab_server):
+@pytest.mark.background.with_args(_lab)
+def test_checks_catch_an_exception_and_pass_a_warning(lab_runs):
     """The same checks on a notebook that warns, plots, then raises: the traceback is seen as an
     error, the warning is not, the plot is counted, and Run All stopped at the exception."""
-    page = chromium.new_page()
-    try:
-        r = lb.run_notebook_in_lab(page, lab_server, SELFCHECK, timeout=120)
-    finally:
-        page.close()
-        lab_server.shutdown_kernels()
+    if lab_runs.selfcheck_error is not None:
+        raise lab_runs.selfcheck_error
+    r = lab_runs.runs[SELFCHECK]
     assert r.done and r.failure is None and r.dialog is None
     assert len(r.errors) == 1 and "ValueError: expected by the self-check" in r.errors[0], r.errors
     assert len(r.warnings) == 1 and "UserWarning: only a warning" in r.warnings[0], r.warnings
@@ -192,37 +221,56 @@ def test_error_text_rules():
     assert not lb.is_error_text("USDT:2026 ... profiler_start")
 
 
-def test_jupyterlab_at_repo_root_lists_notebooks_in_order(request, tmp_path, chromium_or_reason):
+def _repo_root(job) -> dict:
+    """``jupyter lab`` at the repository root (a ``background`` scenario): its REST API's listing of
+    notebooks/ and kernelspecs, then in Chromium (where there is one) the file browser's order of
+    notebooks/ (``shown``; else ``reason``; ``error`` if the page failed)."""
+    seen = dict(reason=None, error=None, shown=None)
+    with lb.LabServer(REPO, state_dir=job.tmp / "state") as server:
+        seen["listing"] = server.api("/api/contents/notebooks")
+        seen["specs"] = server.api("/api/kernelspecs")["kernelspecs"]
+        n = sum(i["type"] == "notebook" for i in seen["listing"]["content"])
+        try:
+            page = job.browser().new_page()
+            try:
+                page.goto(f"{server.url}/lab/tree/notebooks?reset", wait_until="domcontentloaded")
+                page.wait_for_function(
+                    "n => [...document.querySelectorAll('.jp-DirListing-item .jp-DirListing-itemText')]"
+                    ".filter(e => e.textContent.endsWith('.ipynb')).length >= n", arg=n, timeout=60_000)
+                seen["shown"] = [t for t in page.locator(".jp-DirListing-item .jp-DirListing-itemText")
+                                 .all_text_contents() if t.endswith(".ipynb")]
+            finally:
+                page.close()
+        except lb.BrowserUnavailable as e:
+            seen["reason"] = str(e)
+        except Exception as e:  # noqa: BLE001  (raised again in the test, after the API's checks)
+            seen["error"] = e
+    return seen
+
+
+@pytest.mark.background.with_args(_repo_root)
+def test_jupyterlab_at_repo_root_lists_notebooks_in_order(request, background):
     """``jupyter lab`` at the repository root: notebooks/ lists 00_... to NN_... in order, each
     with a kernel the server has; in Chromium (where there is one) the file browser shows that order."""
     on_disk = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
     if not on_disk:
         pytest.skip(f"no notebooks in {NOTEBOOK_DIR}")
-    with lb.LabServer(REPO, state_dir=tmp_path / "state") as server:
-        listing = server.api("/api/contents/notebooks")
-        names = sorted(i["name"] for i in listing["content"] if i["type"] == "notebook")
-        assert names == on_disk
-        prefixes = [re.match(r"(\d\d)_", n) for n in names]
-        assert all(prefixes), f"every notebook name starts with a two-digit step: {names}"
-        assert [int(m.group(1)) for m in prefixes] == list(range(len(names))), names
-        specs = server.api("/api/kernelspecs")["kernelspecs"]
-        for n in names:
-            meta = json.loads((NOTEBOOK_DIR / n).read_text(encoding="utf-8"))["metadata"]
-            ks = meta.get("kernelspec", {}).get("name")
-            assert ks in specs, f"{n}: kernelspec {ks!r} is not one of the server's {sorted(specs)}"
+    seen = background(_repo_root)
+    names = sorted(i["name"] for i in seen["listing"]["content"] if i["type"] == "notebook")
+    assert names == on_disk
+    prefixes = [re.match(r"(\d\d)_", n) for n in names]
+    assert all(prefixes), f"every notebook name starts with a two-digit step: {names}"
+    assert [int(m.group(1)) for m in prefixes] == list(range(len(names))), names
+    specs = seen["specs"]
+    for n in names:
+        meta = json.loads((NOTEBOOK_DIR / n).read_text(encoding="utf-8"))["metadata"]
+        ks = meta.get("kernelspec", {}).get("name")
+        assert ks in specs, f"{n}: kernelspec {ks!r} is not one of the server's {sorted(specs)}"
 
-        browser, reason = chromium_or_reason
-        if browser is None:
-            _say(request, f"file-browser order not checked in Chromium: {reason}")
-            return
-        page = browser.new_page()
-        try:
-            page.goto(f"{server.url}/lab/tree/notebooks?reset", wait_until="domcontentloaded")
-            page.wait_for_function(
-                "n => [...document.querySelectorAll('.jp-DirListing-item .jp-DirListing-itemText')]"
-                ".filter(e => e.textContent.endsWith('.ipynb')).length >= n", arg=len(names), timeout=60_000)
-            shown = [t for t in page.locator(".jp-DirListing-item .jp-DirListing-itemText").all_text_contents()
-                     if t.endswith(".ipynb")]
-            assert shown == names, f"the file browser shows {shown}"
-        finally:
-            page.close()
+    if seen["reason"] is not None:
+        _say(request, f"file-browser order not checked in Chromium: {seen['reason']}")
+        return
+    if seen["error"] is not None:
+        raise seen["error"]
+    shown = seen["shown"]
+    assert shown == names, f"the file browser shows {shown}"

@@ -174,8 +174,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("page_size,heads,splits", [(1, 3, 2), (64, 16, None), (128, 128, 3)])
+# Every variant at page 1 (tiles across pages, masked heads) and page 64; at page 128 with two head
+# blocks of 64 and three splits, a bf16 and an FP8 query in each orientation: there swap1 and n32
+# would only repeat paths these cover (q loads and the tile-in-a-page walk do not depend on Q_FP8)
+FP8_CASES = ([(v, 1, 3, 2) for v in VARIANTS] + [(v, 64, 16, None) for v in VARIANTS]
+             + [(v, 128, 128, 3) for v in ("plain", "q8_swap1", "default")])
+
+
+@pytest.mark.parametrize("variant,page_size,heads,splits", FP8_CASES)
 def test_mla_decode_fp8_matches_oracle(variant, page_size, heads, splits):
     kw = VARIANTS[variant]
     lens = _edge_lens(page_size) + [257]

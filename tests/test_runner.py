@@ -48,13 +48,20 @@ def test_bad_input_is_one_line_naming_it_exit_2_and_no_run_folder(capsys, tmp_pa
     assert not out.exists()
 
 
-def test_console_script_exit_code(tmp_path):
+def _console_script(job):
+    """The installed ``labkit`` given a bad page size (a ``background`` scenario: a process to wait on)."""
     exe = runner.NOTEBOOKS_DIR.parent / ".venv" / "bin" / "labkit"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "labkit.cli"]
-    r = subprocess.run(cmd + ["run", "-p", "page_size", "3", "--out", str(tmp_path / "runs")],
+    r = subprocess.run(cmd + ["run", "-p", "page_size", "3", "--out", str(job.tmp / "runs")],
                        capture_output=True, text=True, timeout=120)
+    return r, job.tmp / "runs"
+
+
+@pytest.mark.background.with_args(_console_script)
+def test_console_script_exit_code(background):
+    r, runs = background(_console_script)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "page_size" in r.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not runs.exists()
 
 
 def test_values_parse_as_yaml_literals():
@@ -160,24 +167,36 @@ def _wait_for(proc, pattern, runs, timeout=400):
         time.sleep(0.2)
 
 
-@pytest.mark.notebooks
-def test_sigkill_leaves_a_folder_that_load_runs_and_the_report_call_partial(tmp_path, monkeypatch):
-    runs = tmp_path / "runs"
-    proc = _start(tmp_path, "01", "02", *SMALL)
+# Both runs are ``background`` scenarios (tests/conftest.py): they run in its thread from the session's
+# first test on, mostly waiting on their kernels, while the rest of the suite runs.
+def _killed(job):
+    """01 and 02, killed once 01 has written a record, then the report (papermill) on what the run
+    left: (the run's folder, the executed report)."""
+    runs = job.tmp / "runs"
+    proc = _start(job.tmp, "01", "02", *SMALL)
     _wait_for(proc, "*/*.parquet", runs)  # 01 has written a record
     os.killpg(proc.pid, signal.SIGKILL)  # the run and its kernel, as an out-of-memory kill or a lost machine
     proc.wait(timeout=60)
     (folder,) = runs.iterdir()
+    out = job.tmp / "04_report.ipynb"
+    env = {k: v for k, v in os.environ.items() if k not in ("LABKIT_RUN_DIR", results.ACTIVE_RUN_ENV)}
+    r = subprocess.run([sys.executable, "-m", "papermill", str(runner.NOTEBOOKS_DIR / "04_report.ipynb"), str(out),
+                        "-k", "python3", "-p", "run_dir", str(folder), "--cwd", str(runner.NOTEBOOKS_DIR),
+                        "--no-progress-bar"], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        pytest.fail(f"papermill 04_report.ipynb on {folder} failed:\n{r.stderr[-3000:]}")
+    return folder, out
+
+
+@pytest.mark.notebooks
+@pytest.mark.background.with_args(_killed)
+def test_sigkill_leaves_a_folder_that_load_runs_and_the_report_call_partial(background):
+    folder, out = background(_killed)
     assert not (folder / results.FINISHED).exists()
     trace = json.loads((folder / "01_step_trace.json").read_text())  # notebook 01's profiled step
     assert any(e.get("name") == profiling.STEP_RANGE for e in trace["traceEvents"])
     df = results.load_runs(folder)
     assert len(df) and not df.run_finished.any() and set(df.run_state) == {"partial"}
-    monkeypatch.delenv("LABKIT_RUN_DIR", raising=False)
-    monkeypatch.delenv(results.ACTIVE_RUN_ENV, raising=False)
-    out = tmp_path / "04_report.ipynb"
-    pm.execute_notebook(str(runner.NOTEBOOKS_DIR / "04_report.ipynb"), str(out), kernel_name="python3",
-                        parameters=dict(run_dir=str(folder)), progress_bar=False, cwd=str(runner.NOTEBOOKS_DIR))
     outputs = [o for c in nbformat.read(out, as_version=4).cells for o in c.get("outputs", [])]
     printed = "".join(o.get("text", "") for o in outputs)
     assert f"partial: 1 run(s) never finished (killed, failed or still running), their records are labelled " \
@@ -186,15 +205,22 @@ def test_sigkill_leaves_a_folder_that_load_runs_and_the_report_call_partial(tmp_
     assert f"{folder.name} (partial)" in tables
 
 
-@pytest.mark.notebooks
-def test_ctrl_c_ends_with_one_line_naming_the_failed_folder(tmp_path):
-    runs = tmp_path / "runs"
-    proc = _start(tmp_path, "01", *SMALL)
+def _interrupted(job):
+    """01, interrupted 2 s after papermill started it: (exit code, stderr, runs folder)."""
+    runs = job.tmp / "runs"
+    proc = _start(job.tmp, "01", *SMALL)
     _wait_for(proc, "*/01_*.ipynb", runs)  # papermill has started the notebook
     time.sleep(2)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the run and its kernel
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == cli.EXIT_INTERRUPTED, err
+    return proc.returncode, err, runs
+
+
+@pytest.mark.notebooks
+@pytest.mark.background.with_args(_interrupted)
+def test_ctrl_c_ends_with_one_line_naming_the_failed_folder(background):
+    code, err, runs = background(_interrupted)
+    assert code == cli.EXIT_INTERRUPTED, err
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("labkit run: error: interrupted; partial run kept in "), err
