@@ -17,6 +17,7 @@ Pieces:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -186,6 +187,9 @@ class LabServer:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
             log.close()
+            # stopped at exit too: a server started from a thread that is cut short (its own session)
+            # would outlive the process
+            atexit.register(self.stop)
             if self._wait_ready():
                 return self
             self.stop()
@@ -226,6 +230,7 @@ class LabServer:
 
     def stop(self) -> None:
         """SIGTERM (the server shuts its kernels down), then SIGKILL of its process group if it hangs."""
+        atexit.unregister(self.stop)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
