@@ -59,7 +59,11 @@ def fp8_to_bf16(x: torch.Tensor, *, block: int = 8192, num_warps: int = 8) -> to
     n = x.numel()
     if n == 0:
         return y
-    _fp8_to_bf16_kernel[(triton.cdiv(n, block),)](
-        x, y, n, BLOCK=block, EVEN=(n % block == 0), num_warps=num_warps
-    )
+    grid, meta = launch_config(n, block, num_warps)
+    _fp8_to_bf16_kernel[grid](x, y, n, **meta)
     return y
+
+
+def launch_config(n: int, block: int = 8192, num_warps: int = 8) -> tuple[tuple, dict]:
+    """The kernel's grid and constexprs for ``n`` elements."""
+    return (triton.cdiv(n, block),), dict(BLOCK=block, EVEN=n % block == 0, num_warps=num_warps)

@@ -75,13 +75,14 @@ def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int 
     out = torch.empty(nnz, page_size, D, dtype=torch.bfloat16, device=kv_buffer.device)
     if nnz == 0:
         return out
-    page_elems = page_size * D
-    block_c = page_elems & -page_elems  # the largest power of two dividing a page: no column masks
-    block_c = min(block_c, tile)
+    grid, meta = launch_config(nnz, page_size * D, tile, num_warps)
+    _gather_cast_kernel[grid](kv_buffer, kv_indices.contiguous(), out, nnz, kv_buffer.stride(0), **meta)
+    return out
+
+
+def launch_config(nnz: int, page_elems: int, tile: int = 8192, num_warps: int = 8) -> tuple[tuple, dict]:
+    """The kernel's grid and constexprs for ``nnz`` pages of ``page_elems`` values (page_size * D)."""
+    block_c = min(page_elems & -page_elems, tile)  # the largest power of two dividing a page: no column masks
     rows = max(1, tile // block_c)
     grid = (triton.cdiv(nnz, rows), page_elems // block_c)
-    _gather_cast_kernel[grid](
-        kv_buffer, kv_indices.contiguous(), out, nnz, kv_buffer.stride(0),
-        PAGE_ELEMS=page_elems, ROWS=rows, BLOCK_C=block_c, num_warps=num_warps,
-    )
-    return out
+    return grid, dict(PAGE_ELEMS=page_elems, ROWS=rows, BLOCK_C=block_c, num_warps=num_warps)

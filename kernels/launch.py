@@ -10,6 +10,16 @@ in ``labkit.triton_paths`` call the same kernels with the same arguments.
     sk = SplitKV.make(batch=B, heads=H, num_splits=S, out_dtype=torch.bfloat16, device=dev)
     out = sk.run(lambda o_buf, lse_buf, direct: kernel[grid](..., o_buf, lse_buf, ..., DIRECT=direct),
                  out_scale=v_scale)                                    # [B, H, 512]
+
+``Launcher`` is how a plan launches: Triton's ``kernel[grid](...)`` binds, specializes and hashes
+every argument on every call (tens of microseconds of host time, more than a one-request kernel
+runs); a plan's launches repeat one grid and one set of constexprs, so after the first call a
+``Launcher`` hands the arguments straight to the compiled kernel's launcher, as long as they
+specialize as the first call's did (dtype and 16-byte alignment of each tensor, 1 / multiple of 16 /
+width of each integer); otherwise it goes through Triton again, which compiles what is new.
+
+    k = Launcher(kernel, grid, BLOCK=64, num_warps=4)   # constexprs and options, fixed by the plan
+    k(x, y, n)                                          # the runtime arguments, in the kernel's order
 """
 from __future__ import annotations
 
@@ -18,6 +28,8 @@ from typing import Callable
 
 import torch
 import triton
+from triton import knobs
+from triton.runtime.driver import driver
 
 from .mla_decode import D_CKV
 from .mla_merge import _mla_merge_kernel
@@ -42,6 +54,7 @@ class SplitKV:
     lse: torch.Tensor
     merge_grid: tuple
     merge_meta: dict
+    _merge: "Launcher | None" = None
 
     @classmethod
     def make(cls, batch: int, heads: int, num_splits: int, out_dtype: torch.dtype, device) -> "SplitKV":
@@ -70,10 +83,57 @@ class SplitKV:
             stage1(out, self.lse, True)
             return out
         stage1(self.part_o, self.part_lse, False)
-        _mla_merge_kernel[self.merge_grid](
-            self.part_o, self.part_lse, out, self.lse, self.heads, out.stride(0), out.stride(1),
-            float(out_scale), self.num_splits, **self.merge_meta)
+        self.merge(self.part_o, self.part_lse, out, self.lse, self.heads, out.stride(0), out.stride(1),
+                   float(out_scale), self.num_splits)
         return out
+
+    @property
+    def merge(self) -> "Launcher":
+        if self._merge is None:
+            self._merge = Launcher(_mla_merge_kernel, self.merge_grid, **self.merge_meta)
+        return self._merge
+
+
+class Launcher:
+    """One kernel on one grid with fixed constexprs and options; called with the runtime arguments
+    (positional, in the kernel's order). The first call, and any whose arguments specialize
+    differently from it, goes through Triton's JIT; the others call the compiled kernel's launcher
+    directly on the current stream. In Triton's interpreter (CPU) every call goes through the JIT."""
+
+    direct_total = 0  # direct launches so far, all launchers (the GPU tests check the path is taken)
+
+    def __init__(self, fn, grid: tuple, **meta):
+        self.fn, self.meta = fn, meta
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        params = getattr(fn, "params", None)  # None: Triton's interpreter (every call through it)
+        n = sum(not p.is_constexpr for p in params) if params is not None else -1
+        tail = params[n:] if params is not None else ()
+        # a direct call passes every parameter in order: the runtime ones, then the constexprs
+        self.direct_ok = params is not None and all(p.is_constexpr and (p.name in meta or p.has_default) for p in tail)
+        self.n_runtime = n
+        self.consts = tuple(meta[p.name] if p.name in meta else p.default for p in tail) if self.direct_ok else ()
+        self.compiled, self.spec = None, None
+
+    def __call__(self, *args) -> None:
+        ck = self.compiled
+        if ck is not None and knobs.runtime.launch_enter_hook is None and _spec(args) == self.spec:
+            g = self.grid
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args, *self.consts)
+            Launcher.direct_total += 1
+            return
+        if self.n_runtime >= 0 and len(args) != self.n_runtime:
+            raise TypeError(f"{getattr(self.fn, '__name__', 'kernel')}: {len(args)} runtime arguments, the kernel takes {self.n_runtime}")
+        ck = self.fn[self.grid](*args, **self.meta)
+        if self.direct_ok and hasattr(ck, "packed_metadata"):  # a compiled kernel, not the interpreter
+            self.compiled, self.spec = ck, _spec(args)
+
+
+def _spec(args) -> tuple:
+    """What Triton specializes a launch on, per runtime argument (a superset: equal keys launch alike)."""
+    return tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                 else (a == 1, a & 15 == 0, -2**31 <= a < 2**31) if type(a) is int
+                 else type(a) for a in args)
 
 
 def merge_launch(batch: int, heads: int, num_splits: int, out_dtype, device) -> tuple[tuple, dict]:

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher
 from .mla_decode import LOG2E, decode_buffers, pick_block_h, resolve_splits
 from .mla_decode_fp8 import _widen
 from .mla_merge import mla_merge, round_to_bf16
@@ -535,19 +536,28 @@ def grids(cfg: RowsConfig, batch: int, heads: int, num_splits: int) -> tuple[tup
     return (batch, triton.cdiv(heads, cfg.block_h), num_splits), (batch, triton.cdiv(heads, cfg.q_block))
 
 
-def quantize_query(cfg: RowsConfig, grid: tuple, q_nope, q_pe, q8, qsc) -> None:
-    """Launch the query's quantization (cfg.quantize not None; ``grids``' second): q_nope [B, H, 512],
-    q_pe [B, H, 64] -> q8 [B, H, 2, 576] float8_e4m3fn (hi | lo terms), qsc [B, H] float32, preallocated."""
-    _quantize_q_kernel[grid](
-        q_nope, q_pe, q8, qsc, q_nope.shape[1], q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        BLOCK_H=cfg.q_block, **cfg.quantize)
+def query_launcher(cfg: RowsConfig, grid: tuple) -> Launcher:
+    """The query's quantization on ``grid`` (``grids``' second; cfg.quantize not None), called as
+    ``k(q_nope, q_pe, q8, qsc, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1))``:
+    q_nope [B, H, 512], q_pe [B, H, 64] -> q8 [B, H, 2, 576] float8_e4m3fn (hi | lo terms), qsc [B, H]
+    float32, preallocated."""
+    return Launcher(_quantize_q_kernel, grid, BLOCK_H=cfg.q_block, **cfg.quantize)
 
 
-def launch_rows(cfg: RowsConfig, grid: tuple, q_nope, q_pe, views: tuple, kv_indptr, kv_indices, kv_lens, tok,
-                q8, qsc, o_buf, lse_buf, qk_scale: float, out_scale: float, topk: int, *, sparse: bool, page: int,
-                direct: bool) -> None:
-    """Launch the decode kernel on ``grid`` (``grids``' first), no checks (``mla_decode_fp8_rows``
-    checks; a plan checks once).
+def quantize_query(k: Launcher, q_nope, q_pe, q8, qsc) -> None:
+    """Launch ``query_launcher``'s kernel."""
+    k(q_nope, q_pe, q8, qsc, q_nope.shape[1], q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1))
+
+
+def rows_launcher(cfg: RowsConfig, grid: tuple, *, sparse: bool, page: int, direct: bool) -> Launcher:
+    """The decode kernel on ``grid`` (``grids``' first) with the constexprs of one call site."""
+    return Launcher(_mla_decode_fp8_rows_kernel, grid, SPARSE=sparse, PAGE=page, DIRECT=direct, **cfg.kernel)
+
+
+def launch_rows(k: Launcher, q_nope, q_pe, views: tuple, kv_indptr, kv_indices, kv_lens, tok,
+                q8, qsc, o_buf, lse_buf, qk_scale: float, out_scale: float, topk: int) -> None:
+    """Launch the decode kernel (``rows_launcher``), no checks (``mla_decode_fp8_rows`` checks; a
+    plan checks once).
 
     views: ``rows_views`` of the layer. Dense: kv_indptr [B + 1], kv_indices [nnz], kv_lens [B] int32,
     page = page_size, topk = 0 (tok: any int32 tensor). Sparse: tok [B, topk] int32 contiguous,
@@ -556,11 +566,9 @@ def launch_rows(cfg: RowsConfig, grid: tuple, q_nope, q_pe, views: tuple, kv_ind
     [B, H] float32 (direct) or the partials [B, H, S, 512], [B, H, S] float32.
     qk_scale = sm_scale * k_scale * log2(e); out_scale = k_scale / 256 (read when direct)."""
     kv8, kvs, kvr = views
-    _mla_decode_fp8_rows_kernel[grid](
-        q_nope, q_pe, kv8, kvs, kvr, kv_indptr, kv_indices, kv_lens, tok, q8, qsc, o_buf, lse_buf,
-        qk_scale, out_scale, q_nope.shape[1], grid[2], topk,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        SPARSE=sparse, PAGE=page, DIRECT=direct, **cfg.kernel)
+    k(q_nope, q_pe, kv8, kvs, kvr, kv_indptr, kv_indices, kv_lens, tok, q8, qsc, o_buf, lse_buf,
+      qk_scale, out_scale, q_nope.shape[1], k.grid[2], topk,
+      q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 
 
 def check_query(q_nope, q_pe):
@@ -699,9 +707,9 @@ def mla_decode_fp8_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch
     if cfg.quantize is not None:
         q8 = torch.empty(B, H, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
         qsc = torch.empty(B, H, dtype=torch.float32, device=dev)
-        quantize_query(cfg, q_grid, q_nope, q_pe, q8, qsc)
-    launch_rows(cfg, grid, q_nope, q_pe, rows_views(kv_rows, kv_layout), indptr, indices, lens, tok, q8, qsc,
-                o_buf, lse_buf, float(sm_scale) * float(k_scale) * LOG2E, float(k_scale) / P_SCALE, topk,
-                sparse=sparse, page=page, direct=direct)
+        quantize_query(query_launcher(cfg, q_grid), q_nope, q_pe, q8, qsc)
+    launch_rows(rows_launcher(cfg, grid, sparse=sparse, page=page, direct=direct), q_nope, q_pe,
+                rows_views(kv_rows, kv_layout), indptr, indices, lens, tok, q8, qsc, o_buf, lse_buf,
+                float(sm_scale) * float(k_scale) * LOG2E, float(k_scale) / P_SCALE, topk)
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(k_scale))
     return (out, lse) if return_lse else out

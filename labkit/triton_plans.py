@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 
+from labkit.kernels import fp8_to_bf16 as cast_k
+from labkit.kernels import gather_cast as gather_k
 from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
-from labkit.kernels.gather_cast import gather_cast
-from labkit.kernels.launch import SplitKV
+from labkit.kernels.launch import Launcher, SplitKV
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, resolve_splits
 from labkit.kernels.mla_decode_fp8 import _mla_decode_fp8_kernel, default_config, quantize_q_fp8
 from labkit.kernels import mla_decode_fp8_gluon as G
@@ -36,7 +37,7 @@ def _layers(pool: KVPool):
 class Decode16:
     """``mla_decode`` (16-bit KV) planned for one batch; k_scale folded as the launcher's callers do."""
 
-    def __init__(self, batch: DecodeBatch, heads: int, sm_scale: float, q_dtype, device):
+    def __init__(self, batch: DecodeBatch, heads: int, sm_scale: float, q_dtype, device, page_size: int):
         on_gpu = torch.device(device).type == "cuda"
         self.block_h = pick_block_h(heads, None)
         big = self.block_h >= 64  # mla_decode's defaults per head class
@@ -49,19 +50,19 @@ class Decode16:
                            self.block_n, torch.device(device), ctas_per_sm=2 if big else 4)
         self.grid = (batch.batch_size, hb, s)
         self.split = SplitKV.make(batch.batch_size, heads, s, q_dtype, device)
+        self.kernel = Launcher(_mla_decode_kernel, self.grid, PAGE=page_size, BLOCK_N=self.block_n,
+                               BLOCK_H=self.block_h, DIRECT=self.split.direct, F32_MATH=self.f32_math,
+                               num_warps=self.num_warps, num_stages=self.num_stages)
 
     def __call__(self, q_nope, q_pe, kv, k_scale: float):
         """kv [pages, page_size, 576] 16-bit, real = kv * k_scale -> out [B, H, 512]."""
         b, heads = self.batch, q_nope.shape[1]
 
         def stage1(o_buf, lse_buf, direct):
-            _mla_decode_kernel[self.grid](
-                q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
-                self.sm_scale * k_scale * LOG2E, float(k_scale), heads, self.grid[2],
-                q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
-                o_buf.stride(0), o_buf.stride(1), PAGE=kv.shape[1], BLOCK_N=self.block_n,
-                BLOCK_H=self.block_h, DIRECT=direct, F32_MATH=self.f32_math,
-                num_warps=self.num_warps, num_stages=self.num_stages)
+            self.kernel(q_nope, q_pe, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                        self.sm_scale * k_scale * LOG2E, float(k_scale), heads, self.grid[2],
+                        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+                        o_buf.stride(0), o_buf.stride(1))
 
         return self.split.run(stage1, k_scale)
 
@@ -70,7 +71,7 @@ def bf16_pool(pool, batch, num_heads, sm_scale, q_dtype):
     if not _plannable(pool, batch):
         return None
     views, scales = _layers(pool)
-    dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device)
+    dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device, pool.page_size)
     return lambda q_nope, q_pe, layer, _b: dec(q_nope, q_pe, views[layer], scales[layer])
 
 
@@ -80,9 +81,29 @@ def full_pool_cast(widen):
         if not _plannable(pool, batch):
             return None
         views, scales = _layers(pool)
-        dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device)
-        return lambda q_nope, q_pe, layer, _b: dec(q_nope, q_pe, widen(views[layer], q_nope.dtype), scales[layer])
+        dec = Decode16(batch, num_heads, sm_scale, q_dtype, pool.device, pool.page_size)
+        w = widen
+        if widen is widen_triton and views[0].dtype == torch.float8_e4m3fn:
+            cast = Cast(views[0].shape)
+            w = lambda kv, dtype: cast(kv).to(dtype)  # noqa: E731
+        return lambda q_nope, q_pe, layer, _b: dec(q_nope, q_pe, w(views[layer], q_nope.dtype), scales[layer])
     return planner
+
+
+class Cast:
+    """``fp8_to_bf16`` planned for one layer's shape: kv [pages, page_size, 576] e4m3 -> a new bf16 tensor."""
+
+    def __init__(self, shape):
+        self.shape, self.n = tuple(shape), 1
+        for d in shape:
+            self.n *= d
+        grid, meta = cast_k.launch_config(self.n)
+        self.kernel = Launcher(cast_k._fp8_to_bf16_kernel, grid, **meta)
+
+    def __call__(self, kv):
+        y = torch.empty(self.shape, dtype=torch.bfloat16, device=kv.device)
+        self.kernel(kv, y, self.n)
+        return y
 
 
 def widen_triton(kv, dtype):
@@ -100,11 +121,19 @@ def gather_cast_plan(pool, batch, num_heads, sm_scale, q_dtype):
     views, scales = _layers(pool)
     compact = batch.compact()
     pages = batch.kv_indices.long()
-    dec = Decode16(compact, num_heads, sm_scale, q_dtype, pool.device)
+    dec = Decode16(compact, num_heads, sm_scale, q_dtype, pool.device, pool.page_size)
+    nnz, (page, d) = batch.kv_indices.numel(), views[0].shape[1:]
+    grid, meta = gather_k.launch_config(nnz, page * d)
+    gather = Launcher(gather_k._gather_cast_kernel, grid, **meta)
+    idx = batch.kv_indices.contiguous()
 
     def run(q_nope, q_pe, layer, _b):
         buf = views[layer]
-        kv = gather_cast(buf, batch.kv_indices) if buf.dtype == torch.float8_e4m3fn else buf[pages]
+        if buf.dtype == torch.float8_e4m3fn and nnz:
+            kv = torch.empty(nnz, page, d, dtype=torch.bfloat16, device=buf.device)
+            gather(buf, idx, kv, nnz, buf.stride(0))
+        else:
+            kv = buf[pages]
         return dec(q_nope, q_pe, kv.to(q_nope.dtype), scales[layer])
     return run
 
@@ -126,19 +155,19 @@ def fp8_native(q_fp8: bool):
         split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, dev)
         q_mode = (1 if not on_gpu else 2) if cfg["q_fp8"] else 0
         b = batch
+        kernel = Launcher(_mla_decode_fp8_kernel, (b.batch_size, hb, s), PAGE=pool.page_size, BLOCK_N=cfg["block_n"],
+                          BLOCK_H=block_h, DIRECT=split.direct, F32=not on_gpu, Q_FP8=q_mode, SWAP=int(cfg["swap"]),
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
         def run(q_nope, q_pe, layer, _b):
             kv, k_scale = views[layer], scales[layer]
             qn, qp, q_scale = (*quantize_q_fp8(q_nope, q_pe, block_h),) if q_mode == 1 else (q_nope, q_pe, None)
 
             def stage1(o_buf, lse_buf, direct):
-                _mla_decode_fp8_kernel[(b.batch_size, hb, s)](
-                    qn, qp, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
-                    q_scale if q_scale is not None else lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale,
-                    num_heads, s, qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv.stride(0),
-                    o_buf.stride(0), o_buf.stride(1), PAGE=kv.shape[1], BLOCK_N=cfg["block_n"], BLOCK_H=block_h,
-                    DIRECT=direct, F32=not on_gpu, Q_FP8=q_mode, SWAP=int(cfg["swap"]),
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                kernel(qn, qp, kv, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                       q_scale if q_scale is not None else lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale,
+                       num_heads, s, qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), kv.stride(0),
+                       o_buf.stride(0), o_buf.stride(1))
 
             return split.run(stage1, k_scale)
         return run
@@ -166,6 +195,9 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
     num_rows = pool.num_pages * pool.page_size
     b = batch
+    kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
+                      BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
+                      SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         kv, k_scale = views[layer], scales[layer]
@@ -173,12 +205,9 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
 
         def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-            G._mla_decode_fp8_gluon_kernel[(b.batch_size, head_blocks, s)](
-                q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk, o_buf, lse_buf,
-                float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
-                q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-                PAGE=pool.page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"],
-                NUM_WARPS=num_warps, SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps)
+            kernel(q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk, o_buf, lse_buf,
+                   float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
+                   q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 
         return split.run(stage1, k_scale)
     return run
@@ -223,13 +252,17 @@ class RowsPlan:
         self.split = SplitKV.make(B, num_heads, s, q_dtype, dev)
         self.grid, self.q_grid = R.grids(self.cfg, B, num_heads, s)
         self.q8 = self.qsc = self.split.lse  # read by nothing when the kernel quantizes or widens the query
+        self.quantize = None
         if self.cfg.quantize is not None:
             self.q8 = torch.empty(B, num_heads, 2, 576, dtype=torch.float8_e4m3fn, device=dev)
             self.qsc = torch.empty(B, num_heads, dtype=torch.float32, device=dev)
+            self.quantize = R.query_launcher(self.cfg, self.q_grid)
+        self.kernel = R.rows_launcher(self.cfg, self.grid, sparse=self.sparse, page=self.page,
+                                      direct=self.split.direct)
 
     def __call__(self, q_nope, q_pe, layer: int, batch: DecodeBatch):
         """q_nope [B, H, 512], q_pe [B, H, 64] of the planned dtype -> out [B, H, 512]."""
-        cfg, k_scale = self.cfg, self.k_scales[layer]
+        k_scale = self.k_scales[layer]
         if self.sparse:
             tok = batch.token_indices
             table, topk = (tok, tok, tok), tok.shape[1]  # the page table is not read: any int32 tensor
@@ -238,11 +271,10 @@ class RowsPlan:
             tok = table[2]
 
         def stage1(o_buf, lse_buf, direct):
-            if cfg.quantize is not None:
-                R.quantize_query(cfg, self.q_grid, q_nope, q_pe, self.q8, self.qsc)
-            R.launch_rows(cfg, self.grid, q_nope, q_pe, self.views[layer], *table, tok, self.q8, self.qsc, o_buf,
-                          lse_buf, self.qk_scales[layer], k_scale / R.P_SCALE, topk, sparse=self.sparse,
-                          page=self.page, direct=direct)
+            if self.quantize is not None:
+                R.quantize_query(self.quantize, q_nope, q_pe, self.q8, self.qsc)
+            R.launch_rows(self.kernel, q_nope, q_pe, self.views[layer], *table, tok, self.q8, self.qsc, o_buf,
+                          lse_buf, self.qk_scales[layer], k_scale / R.P_SCALE, topk)
 
         return self.split.run(stage1, k_scale)
 

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
-# first with ../shared/tools/device-wheels.sh (-> .whl/) and, for the FlashInfer peers,
+# first with ../shared/tools/device-wheels.sh pytest-xdist (-> .whl/) and, for the FlashInfer peers,
 # ../shared/tools/flashinfer-offline.sh (-> fi/); carry both folders. Both install into /tmp/site.
 # Such a copy has no .git: pass the revision it was made from as LAB_GIT_REV (results record it):
 #   LAB_GIT_REV=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty) bash scripts/gpu_study.sh
@@ -39,6 +39,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log into the run folde
   exits+=("$name=$rc")
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
+xdist_args() { python3 -c 'import xdist' 2>/dev/null && echo "-n ${TEST_WORKERS:-8}"; }
 exits=() failed=()
 for s in $stages; do
   case $s in
@@ -47,7 +48,8 @@ for s in $stages; do
     bench) stage bench "${T_bench:-600}" python3 -m labkit.bench --grid gpu --run-dir "$run_dir" --write-select ${BENCH_ARGS:-} ;;
     notebooks) stage notebooks "${T_notebooks:-330}" python3 -m labkit.cli run --profile gpu-seed --out "$run_dir" --no-progress ;;
     # pyproject already passes -q; a second -q would drop pytest's "N passed" line from the log
-    tests) stage tests "${T_tests:-420}" python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py \
+    # with pytest-xdist installed (carry its wheel in .whl/), -n 8: the stage is compile-bound
+    tests) stage tests "${T_tests:-420}" python3 -m pytest -p no:cacheprovider -m gpu $(xdist_args) tests/test_kernels.py \
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
              tests/test_lab.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
              tests/test_indexer.py tests/test_sparse_paths.py tests/test_dsa.py tests/test_rows_plan.py \

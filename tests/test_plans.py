@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from labkit import backends, kvpool, triton_plans
-from labkit.kernels.launch import SplitKV
+from labkit.kernels.launch import Launcher, SplitKV, _spec
+import triton.language as tl  # noqa: E402  (after labkit: it sets TRITON_INTERPRET on a CPU)
+from triton.runtime.jit import JITFunction  # noqa: E402
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, mla_decode
 from labkit.triton_paths import (fp8_native_triton, fp8_native_triton_q8, full_pool_cast_seed,
                                  full_pool_cast_triton, gather_cast_triton, bf16_pool_triton)
@@ -101,5 +103,27 @@ def test_gpu_planned_runs_equal_the_checked_launchers(heads):
         except ValueError:
             continue  # e.g. the Gluon kernel off Hopper or past 32 heads
         run = planner(pool, batch, heads, SM_SCALE, qn.dtype)
-        for layer in (1, 0):
+        direct = Launcher.direct_total
+        for layer in (1, 0, 1):  # the later calls launch the compiled kernels directly
             assert torch.equal(run(qn, qp, layer, batch), fn(qn, qp, pool, layer, batch, SM_SCALE)), (name, layer)
+        assert Launcher.direct_total > direct, name
+        # a query 2 bytes off 16-byte alignment specializes differently: Triton's JIT again, same result
+        qn2 = torch.empty(qn.numel() + 1, dtype=qn.dtype, device="cuda")[1:].view_as(qn).copy_(qn)
+        assert torch.equal(run(qn2, qp, 0, batch), fn(qn, qp, pool, 0, batch, SM_SCALE)), name
+
+
+def _toy(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr = True):
+    pass
+
+
+def test_launcher_passes_constexprs_after_the_runtime_arguments():
+    """What a direct launch hands the compiled kernel: the runtime arguments, then every constexpr
+    (given or defaulted) in the kernel's order; and what it keys a direct launch on."""
+    k = Launcher(JITFunction(_toy), (4,), BLOCK=64, num_warps=4)
+    assert k.direct_ok and k.n_runtime == 4 and k.consts == (64, True) and k.grid == (4, 1, 1)
+    x = torch.zeros(64)
+    assert _spec((x, x, 1, 0.5)) != _spec((x, x, 2, 0.5)) != _spec((x, x, 32, 0.5))
+    assert _spec((x, x, 17, 0.5)) == _spec((x, x, 3, 0.5))
+    assert _spec((x[1:], x, 3, 0.5)) != _spec((x, x, 3, 0.5)) == _spec((x[4:], x, 3, 0.5))  # 4 floats: 16 B
+    assert _spec((x.half(), x, 3, 0.5)) != _spec((x, x, 3, 0.5))
+    assert _spec((x, x, 2**31, 0.5)) != _spec((x, x, 2**31 - 16, 0.5))
