@@ -116,7 +116,7 @@ class Launcher:
 
     def __call__(self, *args) -> None:
         ck = self.compiled
-        if ck is not None and knobs.runtime.launch_enter_hook is None and _spec(args) == self.spec:
+        if ck is not None and _no_hooks() and _spec(args) == self.spec:
             g = self.grid
             stream = driver.active.get_current_stream(driver.active.get_current_device())
             ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args, *self.consts)
@@ -127,6 +127,13 @@ class Launcher:
         ck = self.fn[self.grid](*args, **self.meta)
         if self.direct_ok and hasattr(ck, "packed_metadata"):  # a compiled kernel, not the interpreter
             self.compiled, self.spec = ck, _spec(args)
+
+
+def _no_hooks() -> bool:
+    """No launch hook is set (a profiler such as proton sets one; the direct launch would skip it).
+    Triton 3.6+ keeps the hooks as chains (empty when unset), older versions as None."""
+    h = knobs.runtime.launch_enter_hook
+    return h is None or not getattr(h, "calls", True)
 
 
 def _spec(args) -> tuple:

@@ -127,3 +127,11 @@ def test_launcher_passes_constexprs_after_the_runtime_arguments():
     assert _spec((x[1:], x, 3, 0.5)) != _spec((x, x, 3, 0.5)) == _spec((x[4:], x, 3, 0.5))  # 4 floats: 16 B
     assert _spec((x.half(), x, 3, 0.5)) != _spec((x, x, 3, 0.5))
     assert _spec((x, x, 2**31, 0.5)) != _spec((x, x, 2**31 - 16, 0.5))
+
+
+def test_launcher_steps_aside_for_launch_hooks(monkeypatch):
+    """A profiler's launch hook must see every launch: with one set, no direct launches."""
+    from labkit.kernels import launch
+    assert launch._no_hooks()
+    monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert not launch._no_hooks()
