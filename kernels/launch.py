@@ -115,19 +115,18 @@ class Launcher:
         self.compiled, self.spec = None, None
 
     def __call__(self, *args) -> None:
-        if self.compiled is not None and _no_hooks() and _spec(args) == self.spec:
-            launch, function, packed, stream_of, device = self.compiled
+        ck = self.compiled
+        if ck is not None and _no_hooks() and _spec(args) == self.spec:
             g = self.grid
-            launch(g[0], g[1], g[2], stream_of(device()), function, packed, None, None, None, *args, *self.consts)
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args, *self.consts)
             Launcher.direct_total += 1
             return
         if self.n_runtime >= 0 and len(args) != self.n_runtime:
             raise TypeError(f"{getattr(self.fn, '__name__', 'kernel')}: {len(args)} runtime arguments, the kernel takes {self.n_runtime}")
         ck = self.fn[self.grid](*args, **self.meta)
         if self.direct_ok and hasattr(ck, "packed_metadata"):  # a compiled kernel, not the interpreter
-            d = driver.active  # a lazy proxy: resolved once here, not on every launch
-            self.compiled = (ck.run, ck.function, ck.packed_metadata, d.get_current_stream, d.get_current_device)
-            self.spec = _spec(args)
+            self.compiled, self.spec = ck, _spec(args)
 
 
 def _no_hooks() -> bool:
