@@ -196,15 +196,17 @@ def _median(profs: list[pd.DataFrame]) -> pd.DataFrame:
     return df
 
 
-def profile_step(dl: DsaLab, backend: backends.Backend, repeats: int | None = None) -> pd.DataFrame:
+def profile_step(dl: DsaLab, backend: backends.Backend, repeats: int | None = None, trace_path=None) -> pd.DataFrame:
     """The DSA step over the measured layers by category (``DSA_CATEGORIES`` and total): device_ms of
     the step (median of ``repeats`` profiles; None: 3, or 1 when 8 or more layers make the step),
-    ms_per_layer, share; with the path and the shape."""
+    ms_per_layer, share; with the path and the shape. ``trace_path``: the first timed profile's
+    Chrome trace (chrome://tracing, Perfetto)."""
     lab = on_pool(dl, backend.path)
     backend.check(lab.q_nope, lab.pool, dl.sparse)  # refuses before any work
     repeats = repeats or (1 if dl.indexer.num_layers >= 8 else 3)
     work = step_work(dl, backend)
-    profs = [profile_work(work, lab.pool.device, DSA_CATEGORIES) for _ in range(repeats + 1)][1:]  # 1st: start-up
+    profs = [profile_work(work, lab.pool.device, DSA_CATEGORIES, trace_path=trace_path if i == 1 else None)
+             for i in range(repeats + 1)][1:]  # the first: start-up
     df, n = _median(profs), dl.indexer.num_layers
     return df.assign(ms_per_layer=df.device_ms / n, layers_profiled=n, activity=profs[0].attrs["activity"],
                      **_labels(dl, backend))

@@ -1,10 +1,12 @@
 """labkit.dsa: the DSA step model's arithmetic, its profile, and the sparse step's outputs against
 the float64 oracle on tiny cases (torch paths, and the Triton paths in the interpreter)."""
+import json
+
 import pandas as pd
 import pytest
 import torch
 
-from labkit import backends, config, dsa, reference
+from labkit import backends, config, dsa, profiling, reference
 from labkit.config import LabParams
 from labkit.profiling import DSA_CATEGORIES
 
@@ -79,10 +81,13 @@ def test_bad_parameters_are_refused_by_name():
 
 
 # -- the profile ------------------------------------------------------------------------------------
-def test_profile_categories_sum_to_the_total():
+def test_profile_categories_sum_to_the_total(tmp_path):
     dl = _lab()
     for path in dsa.SPARSE_PATHS:
-        prof = dsa.profile_step(dl, dsa.pick(dl, path), repeats=1).set_index("category")
+        trace = tmp_path / f"{path}.json"
+        prof = dsa.profile_step(dl, dsa.pick(dl, path), repeats=1, trace_path=trace).set_index("category")
+        events = json.loads(trace.read_text())["traceEvents"]  # the timed profile's Chrome trace
+        assert any(e.get("name") == profiling.STEP_RANGE for e in events), path
         assert list(prof.index) == list(DSA_CATEGORIES) + ["total"]
         body = prof.drop("total")
         assert body.device_ms.sum() == pytest.approx(prof.device_ms["total"])

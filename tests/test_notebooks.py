@@ -121,6 +121,8 @@ def test_05_sparse_step_profiled_checked_and_modelled(run):
         assert t.drop("total").sum() == pytest.approx(t["total"]) and t["index"] > 0 and t["topk"] > 0, backend
     paths = _file(df, "05_paths")
     assert set(paths.path) == {"full_pool_cast", "gather_cast", "fp8_native", "bf16_pool"}
+    for p in paths.path.unique():  # each path's profiled step, as a Chrome trace beside the records
+        assert '"traceEvents"' in (run[0] / f"05_step_trace_{p}.json").read_text()[:4096], p
     assert (paths.rel_err < TOL_DEQUANT).all()
     sparse, dense = paths[paths["mode"] == "sparse"], paths[paths["mode"] == "dense"]
     assert (sparse.topk == 256).all() and (dense.topk == 0).all()  # tiny's top-256
