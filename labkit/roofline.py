@@ -102,6 +102,10 @@ class Ceilings:
     method: str
     fp8_tflops: float | None = None
 
+    def pct_copy(self, nbytes: float, time_ms: float) -> float:
+        """``nbytes`` moved in ``time_ms`` as a percentage (0..100) of the copy bandwidth."""
+        return 100 * nbytes / time_ms / 1e6 / self.copy_gbps
+
     def tflops(self, mma: str = "bf16") -> float | None:
         """The matmul roof of ``mma`` (``bf16`` or ``fp8``) in TFLOP/s; None when not measured."""
         if mma not in MMAS:
@@ -189,7 +193,7 @@ def achieved(path: str, time_ms: float, ceilings: Ceilings, mma: str = "bf16", *
     gbps, tflops = nbytes / time_ms / 1e6, flops / time_ms / 1e9
     roof = max(mem_ms, math_ms)
     return dict(bytes=nbytes, flops=flops, intensity=flops / nbytes, gbps=gbps, tflops=tflops,
-                pct_bandwidth=100 * gbps / ceilings.copy_gbps, pct_compute=100 * tflops / rate,
+                pct_bandwidth=ceilings.pct_copy(nbytes, time_ms), pct_compute=100 * tflops / rate,
                 bound="memory" if mem_ms >= math_ms else "compute", pct_roofline=100 * roof / time_ms,
                 roofline_ms=roof)
 

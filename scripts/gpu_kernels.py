@@ -412,7 +412,7 @@ def cast_timings(results, only, ceil):
         row = dict(group="cast", variant=name, shape=shape)
         try:
             us = bench_us(fn)
-            row.update(us=us, kv_TBps=nb / us / 1e6, pct_ceiling=100 * nb / us / 1e6 / ceil["copy_bw_TBps"])
+            row.update(us=us, kv_TBps=nb / us / 1e6, pct_ceiling=CEIL.pct_copy(nb, us / 1e3))
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)

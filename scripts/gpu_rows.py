@@ -260,7 +260,7 @@ def probe_fp8_readback() -> dict:
     return res
 
 
-def measure(case, method, layout, precision, config, call, refs, copy_gbps, target=None):
+def measure(case, method, layout, precision, config, call, refs, ceil, target=None):
     row = dict(kind=case.kind, heads=case.H, batch=case.B, ctx=case.ctx, topk=TOPK if case.slots is not None else 0,
                method=method, kv_layout=layout, precision=precision, config=config, layers=case.layers,
                target_us=target)
@@ -274,11 +274,10 @@ def measure(case, method, layout, precision, config, call, refs, copy_gbps, targ
         row["graph_us"] = timing.graph_times(call, range(case.layers), replays=REPLAYS).us
         gpu = DEV == "cuda"
         row["bench_us"] = timing.bench(lambda: call(0), rep_ms=50 if gpu else 1, warmup_ms=25 if gpu else 1).us
-        nbytes = case.tokens_read * kvlayout.KV_LAYOUTS[layout] + case.B * case.H * (576 + 512) * 2
-        flops = 2 * case.H * case.tokens_read * (576 + 512)
-        row["tb_s"] = nbytes / row["graph_us"] / 1e6
-        row["pct_copy"] = 100 * nbytes / row["graph_us"] / 1e3 / copy_gbps
-        row["tflop_s"] = flops / row["graph_us"] / 1e6
+        # the bytes and FLOPs of the lab's one roofline computation: KV rows read, query and output
+        ach = roofline.achieved("fp8_native", row["graph_us"] / 1e3, ceil, pool_tokens=0,
+                                tokens_read=case.tokens_read, heads=case.H, batch=case.B, kv_layout=layout)
+        row["tb_s"], row["pct_copy"], row["tflop_s"] = ach["gbps"] / 1e3, ach["pct_bandwidth"], ach["tflops"]
         row["met"] = None if target is None else row["graph_us"] <= target
     except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -351,12 +350,12 @@ def main():
             for config, kw in (DS_MODES if layout == "fp8_ds_mla" else DS_MODES[:1]):
                 for prec, tgt in (("fast", t_fast), ("accurate", t_acc)):
                     res["rows"].append(measure(case, "triton_rows", layout, prec, config,
-                                               case.ours(layout, prec, **kw), refs, ceil.copy_gbps, tgt))
+                                               case.ours(layout, prec, **kw), refs, ceil, tgt))
                     write(out, res)
         if peers:
             for layout, name in (("bf16", "flashinfer_bf16"), ("fp8_per_tensor", "flashinfer_fp8")):
                 res["rows"].append(measure(case, name, layout, "-", "fa3", case.flashinfer(layout), refs,
-                                           ceil.copy_gbps, t_fi if layout == "bf16" else None))
+                                           ceil, t_fi if layout == "bf16" else None))
                 write(out, res)
         if a.sweep and (kind, H, B, ctx) in SWEEP:
             for name in SWEEP[(kind, H, B, ctx)]:
@@ -366,7 +365,7 @@ def main():
                         res.setdefault("skipped", []).append(f"{kind} h{H} b{B} {name} {prec}")
                         continue
                     res["rows"].append(measure(case, "triton_rows", layout, prec, name,
-                                               case.ours(layout, prec, **kw), refs, ceil.copy_gbps))
+                                               case.ours(layout, prec, **kw), refs, ceil))
                     write(out, res)
         del case, refs
         if DEV == "cuda":
