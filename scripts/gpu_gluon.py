@@ -51,7 +51,7 @@ def main():
     for H, B, L, topk in [s for s in shapes if not a.heads or s[0] in a.heads]:
         page = 1 if topk else 64
         rows = int(B * L * 1.05) // 64 * 64 + 64
-        pool = kvpool.random_pool(LAYERS, rows // page, page, device="cuda", seed=H + B)
+        pool = kvpool.random_pool(LAYERS, rows, page, device="cuda", seed=H + B)
         if topk:
             batch = kvpool.sparse_batch_for_pool(pool, [L] * B, topk, seed=B)
         else:
