@@ -34,7 +34,8 @@ when accurate).
 Moves L*576 B of KV (L = tokens read, whole 64-token tiles) + B*H*(576 + 512)*2 B of queries and
 outputs (+ B*H*S*513*4 B of split partials, twice); 2*H*L*(576 + 512) FLOPs (x BLOCK_H/H padded).
 Error (H200, run 7b): fast, FP8 query (one scale per CTA) and FP8 probabilities, 2.7-2.9e-2 relative
-to the exact result; accurate 2.2-2.9e-3 up to 64 heads, 3.7e-3 at 128 (dense 64 x 8K).
+to the exact result; accurate 2.0-2.6e-3 with splits of at most 4096 tokens (ACCURATE_SPLIT_LEN:
+8192-token splits gave 3.7e-3 at 128 heads, dense 64 x 8K).
 Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); dense pages of 64 and 128, sparse
 any; 1..128 heads.
 """
@@ -255,7 +256,7 @@ if HAS_GLUON:
     @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-              NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr, PROMOTE: gl.constexpr):
+              NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
         acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
@@ -307,19 +308,10 @@ if HAS_GLUON:
         _cta_barrier()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
         vt = _relabel_v(v, a_layout, NUM_WARPS)
-        if PROMOTE:  # this tile's p @ V in a fresh accumulator, added in fp32: the FP8 MMA's narrow
-            # accumulator then never adds a tile's products to the sum of all earlier tiles
-            t = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), gl.zeros([512, BLOCK_H], gl.float32, acc_layout),
-                              use_acc=False, is_async=True)
-            if SPLIT:
-                t = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), t, is_async=True)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            acc = acc + t
-        else:
-            acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
-            if SPLIT:
-                acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l_i, acc
 
     @gluon.jit(do_not_specialize=["H", "num_splits"])
@@ -348,7 +340,6 @@ if HAS_GLUON:
         NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
-        PROMOTE: gl.constexpr = False,  # p @ V per tile into a fresh accumulator, summed in fp32
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -434,15 +425,15 @@ if HAS_GLUON:
         if SPARSE:  # every tile masked: any slot may be -1
             for tile in range(0, n_tiles):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT, PROMOTE)
+                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT)
             async_copy.wait_group(0)
         else:
             for tile in range(0, n_full):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT, PROMOTE)
+                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
             if n_full < n_tiles:  # the split's partial last tile, masked
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i,
-                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT, PROMOTE)
+                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -497,6 +488,21 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
+# The accurate precision's longest split (tokens): measured on the H200 (gpu_gluon.py --accurate,
+# 64 x 8K): 4096-token splits gave 2.2-2.6e-3 at 16-64 heads, 8192-token ones 3.7e-3 at 128 heads.
+ACCURATE_SPLIT_LEN = 4096
+
+
+def capped_splits(num_splits: int, seq_len: int, precision: str, max_split_len: int | None = None) -> int:
+    """``num_splits`` raised so that no split holds more than ``max_split_len`` tokens (default
+    ``ACCURATE_SPLIT_LEN`` for the accurate precision, no cap for the fast one)."""
+    if max_split_len is None:
+        max_split_len = ACCURATE_SPLIT_LEN if precision == "accurate" else 0
+    if max_split_len <= 0:
+        return num_splits
+    return max(num_splits, triton.cdiv(seq_len, max_split_len))
+
+
 def check_gluon_args(H: int, page_size: int, device: torch.device, sparse: bool = False):
     """Why this kernel cannot run here (ValueError naming the rule), before any launch. Sparse
     batches read rows by id, so any page size; dense ones tile pages of 64 or 128."""
@@ -518,7 +524,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
-                         max_split_len: int | None = None, promote: bool = False):
+                         max_split_len: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -539,9 +545,10 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
-    max_split_len : at most this many tokens per split (more splits when the default has longer ones):
-        the FP8 MMA's accumulator loses bits as a split's sum grows (``labkit.mma_model``).
-    promote : each tile's p @ V into a fresh accumulator, added to the running one in fp32.
+    max_split_len : at most this many tokens per split (more splits when the default has longer ones);
+        None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
+        few bits below the running sum's exponent, so p @ V loses more as a split grows
+        (``labkit.mma_model``): past 4096 tokens a split breaks the 3e-3 rule (H200, 128 heads 8K).
 
     Returns
     -------
@@ -574,8 +581,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         max_len = int(kv_lens.max()) if B else 0
     num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, head_blocks, kv_lens,
                                 topk if sparse else max_len, BLOCK_N, dev, cfg["ctas_per_sm"])
-    if max_split_len is not None:
-        num_splits = max(num_splits, triton.cdiv(topk if sparse else max_len, max_split_len))
+    num_splits = capped_splits(num_splits, topk if sparse else max_len, precision, max_split_len)
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
@@ -586,7 +592,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", PROMOTE=bool(promote), num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

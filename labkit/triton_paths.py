@@ -14,8 +14,8 @@
                            products as FP8 wgmma (V^T a register operand, p in e4m3): no 16-bit copy of V
                            anywhere; 2.7-2.9e-2 relative error; Hopper (sm_90) only, no CPU interpreter;
                            dense pages of 64/128, sparse any; 1-128 heads; per-tensor layout
-    fp8_native.gluon_acc   the same, precision="accurate": q and p each as two e4m3 terms, 2.2-2.9e-3;
-                           up to 64 heads (3.7e-3 measured at 128)
+    fp8_native.gluon_acc   the same, precision="accurate": q and p each as two e4m3 terms and splits of at
+                           most 4096 tokens (the FP8 MMA's narrow accumulator): 2.0-2.6e-3
     bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)
 
 Scales: real KV = stored * k_scale; k_scale is folded into the softmax scale and v_scale (= k_scale:
@@ -163,16 +163,17 @@ register(Backend("fp8_native.triton_q8", "fp8_native", "triton_q8", fp8_native_t
                  kernel="Triton mla_decode_fp8, q in FP8, FP8 dots for the scores (trtllm_mla's way)",
                  note="FP8 query: 2.5-2.6e-2 relative error (H200, run 6) against 1.7e-3 with a 16-bit "
                       "query; the fastest dense kernel of ours at 64-128 heads there"))
-# gluon_acc: 2.2-2.9e-3 on the H200 up to 64 heads (run 7b), but 3.7e-3 at 128 heads (64 x 8K), past the
-# accurate rule: it takes at most 64 heads (select then falls back to triton_rows_acc)
-for _name, _prec, _heads, _how in (
-        ("gluon", "fast", GLUON_MAX_HEADS, "q and p in e4m3: 2.7-2.9e-2 relative error (H200)"),
-        ("gluon_acc", "accurate", 64, "q and p each as two e4m3 terms (twice the MMAs): 2.2-2.9e-3 (H200)")):
+# gluon_acc: at most ACCURATE_SPLIT_LEN tokens a split keeps it within the accurate rule at every head
+# count (8192-token splits gave 3.7e-3 at 128 heads, 64 x 8K; 4096-token ones 2.2-2.6e-3)
+for _name, _prec, _how in (
+        ("gluon", "fast", "q and p in e4m3: 2.7-2.9e-2 relative error (H200)"),
+        ("gluon_acc", "accurate", "q and p each as two e4m3 terms (twice the MMAs), splits of at most 4096 "
+                                  "tokens: 2.0-2.6e-3 (H200)")):
     register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_gluon(_prec),
                      planner=triton_plans.gluon(_prec), kv_dtypes=("fp8_e4m3",),
                      kv_layouts=("fp8_per_tensor",), precision=_prec, sparse=True,
                      min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128),
-                     sparse_page_sizes=ALL_PAGE_SIZES, max_heads=_heads, runs_on_cpu=False,
+                     sparse_page_sizes=ALL_PAGE_SIZES, max_heads=GLUON_MAX_HEADS, runs_on_cpu=False,
                      kernel="Gluon mla_decode_fp8_gluon: TMA ring (cp.async rows when sparse), FP8 wgmma "
                             "for q.K and p.V",
                      note=f"V^T is a register operand (no 16-bit copy of V); {_how}"))

@@ -192,6 +192,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
                        batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"])
+    s = G.capped_splits(s, batch.topk if sparse else batch.max_len, precision)
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
     num_rows = pool.num_pages * pool.page_size
     b = batch
