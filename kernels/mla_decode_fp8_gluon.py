@@ -54,8 +54,7 @@ try:  # Gluon: Triton >= 3.5
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_init,
-                                                                   warpgroup_mma_wait)
+                                                                   warpgroup_mma, warpgroup_mma_wait)
     HAS_GLUON = hasattr(tma, "make_tensor_descriptor")
 except ImportError:  # pragma: no cover - old Triton
     HAS_GLUON = False
@@ -315,85 +314,6 @@ if HAS_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l_i, acc
 
-    @gluon.jit
-    def _wait_tile(ring, tile, NUM_STAGES: gl.constexpr, SPARSE: gl.constexpr, LATER: gl.constexpr):
-        """Tile ``tile`` is in its ring slot. Sparse: the commit groups count tiles, and LATER groups
-        (tiles after it) may still be in flight."""
-        if SPARSE:  # this thread's copies of the tile have landed; then everyone's; then the MMA may read
-            async_copy.wait_group(LATER)
-            fence_async_shared()
-            _cta_barrier()
-        else:
-            mbarrier.wait(ring[2].index(tile % NUM_STAGES), (tile // NUM_STAGES) & 1)
-
-    @gluon.jit
-    def _scores(ring, qn_smem, qp_smem, tile, NUM_STAGES: gl.constexpr, BLOCK_H: gl.constexpr,
-                NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
-        """Issues s^T = K q^T of tile ``tile`` (landed) as async FP8 MMAs; returns them in flight."""
-        slot = tile % NUM_STAGES
-        ckv = ring[0].index(slot)
-        kpe = ring[1].index(slot)
-        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)),
-                          gl.zeros([64, BLOCK_H], gl.float32, _s_layout(NUM_WARPS, BLOCK_H)), use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(kpe, qp_smem.index(0).permute((1, 0)), s, is_async=True)
-        if SPLIT:  # the query's second e4m3 term: 16 q = hi + lo, both in one accumulator
-            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(kpe, qp_smem.index(1).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
-    def _tile_pipe(descs, ring, split, p_smem, qn_smem, qp_smem, tile, s, qk_scale, m_i, l_i, acc,
-                   MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
-        """``_tile`` software-pipelined: ``s`` (this tile's score MMAs) and ``acc`` (the previous p @ V)
-        arrive in flight; the next tile's score MMAs are issued before this tile's softmax, so the
-        tensor cores run them while the softmax runs; p @ V is issued and left in flight."""
-        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
-        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
-        n_tiles = split[5]
-        if tile + 1 < n_tiles:
-            _wait_tile(ring, tile + 1, NUM_STAGES, SPARSE, NUM_STAGES - 2)  # this slot is not refilled yet
-            s_next = _scores(ring, qn_smem, qp_smem, tile + 1, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
-        else:
-            s_next = warpgroup_mma_init(gl.zeros([64, BLOCK_H], gl.float32, s_layout))
-        v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))  # [64, 512] e4m3
-        _cta_barrier()  # every warp has its V and this tile's scores: refill the slot
-        if SPARSE:
-            _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
-        else:
-            _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
-
-        s = s * qk_scale
-        if MASKED:  # rows past the request's end (zeros, from the tail descriptor): -inf scores
-            start = split[2]
-            end = split[3]
-            tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            if SPARSE:  # and the -1 slots (zero rows)
-                valid = gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0
-            else:
-                valid = tok < end
-            s = gl.where(valid[:, None], s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may have no valid slot yet
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
-        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
-            _store_split(p_smem, _relabel_p(p * 16.0), True)
-        else:
-            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
-        fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
-        vt = _relabel_v(v, a_layout, NUM_WARPS)
-        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
-        if SPLIT:
-            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
-        return s_next, m_new, l_i, acc
-
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
         q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
@@ -420,7 +340,6 @@ if HAS_GLUON:
         NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
-        PIPE: gl.constexpr = False,  # the next tile's score MMAs in flight during this tile's softmax
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -503,41 +422,18 @@ if HAS_GLUON:
         m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
         acc = gl.zeros([512, BLOCK_H], gl.float32, layout=acc_layout)  # out^T, rows relabelled
-        if PIPE:
-            s_in = warpgroup_mma_init(gl.zeros([64, BLOCK_H], gl.float32, s_layout))
-            if n_tiles > 0:
-                _wait_tile(ring, 0, NUM_STAGES, SPARSE, NUM_STAGES - 1)
-                s_in = _scores(ring, qn_smem, qp_smem, 0, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
-            acc_in = warpgroup_mma_init(acc)
-            if SPARSE:
-                for tile in range(0, n_tiles):
-                    s_in, m_i, l_i, acc_in = _tile_pipe(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, s_in,
-                                                        qk_scale, m_i, l_i, acc_in, True, NUM_STAGES, PAGE, BLOCK_H,
-                                                        NUM_WARPS, True, SPLIT)
-                async_copy.wait_group(0)
-            else:
-                for tile in range(0, n_full):
-                    s_in, m_i, l_i, acc_in = _tile_pipe(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, s_in,
-                                                        qk_scale, m_i, l_i, acc_in, False, NUM_STAGES, PAGE, BLOCK_H,
-                                                        NUM_WARPS, False, SPLIT)
-                if n_full < n_tiles:
-                    s_in, m_i, l_i, acc_in = _tile_pipe(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, s_in,
-                                                        qk_scale, m_i, l_i, acc_in, True, NUM_STAGES, PAGE, BLOCK_H,
-                                                        NUM_WARPS, False, SPLIT)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_in, ))
+        if SPARSE:  # every tile masked: any slot may be -1
+            for tile in range(0, n_tiles):
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
+                                      True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT)
+            async_copy.wait_group(0)
         else:
-            if SPARSE:  # every tile masked: any slot may be -1
-                for tile in range(0, n_tiles):
-                    m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                          True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT)
-                async_copy.wait_group(0)
-            else:
-                for tile in range(0, n_full):
-                    m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
-                                          False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
-                if n_full < n_tiles:  # the split's partial last tile, masked
-                    m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i,
-                                          acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
+            for tile in range(0, n_full):
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
+                                      False, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
+            if n_full < n_tiles:  # the split's partial last tile, masked
+                m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, n_full, qk_scale, m_i, l_i,
+                                      acc, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, False, SPLIT)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -628,7 +524,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
-                         max_split_len: int | None = None, pipeline: bool = False):
+                         max_split_len: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -653,7 +549,6 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
         (``labkit.mma_model``): past 4096 tokens a split breaks the 3e-3 rule (H200, 128 heads 8K).
-    pipeline : issue the next tile's score MMAs before this tile's softmax (needs num_stages >= 2).
 
     Returns
     -------
@@ -676,9 +571,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     block_h, num_warps, cfg = block_config(H)
     cfg = dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
-    if cfg["num_stages"] not in ((2, 3, 4, 5) if pipeline else (1, 2, 3, 4, 5)):
-        raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each), "
-                         f"2..5 with pipeline=True")
+    if cfg["num_stages"] not in (1, 2, 3, 4, 5):
+        raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
@@ -698,7 +592,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", PIPE=bool(pipeline), num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

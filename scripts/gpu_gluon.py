@@ -22,16 +22,14 @@ from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E4
 
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
             "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
-            "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict(),
-            "pipe": dict(pipeline=True), "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1)}
+            "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict()}
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 # precision="accurate": the FP8 MMA accumulator's error grows with a split's length (labkit.mma_model);
 # the default cap (ACCURATE_SPLIT_LEN) beside no cap and a shorter one, dense and sparse (top-2048 of 32K,
 # page 1), and the fast precision on the same batch
 ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": dict(max_split_len=2048),
-                "fast": dict(precision="fast"), "pipe": dict(pipeline=True),
-                "fast_pipe": dict(precision="fast", pipeline=True)}
+                "fast": dict(precision="fast")}
 ACC_SHAPES = [(16, 64, 8192, 0), (16, 32, 32768, 0), (32, 64, 8192, 0), (64, 64, 8192, 0), (128, 64, 8192, 0),
               (64, 1, 8192, 0), (128, 1, 8192, 0), (16, 64, 32768, 2048), (64, 64, 32768, 2048),
               (128, 128, 32768, 2048)]  # (heads, requests, context, topk)
