@@ -157,6 +157,15 @@ if HAS_GLUON:
                                           block_bases=[], shape=[64, 512])
 
     @triton.constexpr_function
+    def _v3_layout(num_warps):
+        """``_v_layout`` seen as [64 tokens, 4 groups, 128 columns] (fp8_ds_mla: a scale per group)."""
+        b = V_LAYOUT_BASES if num_warps == 4 else V_LAYOUT_BASES8
+        return gl.DistributedLinearLayout(reg_bases=[[t, c >> 7, c & 127] for t, c in b["reg"]],
+                                          lane_bases=[[t, c >> 7, c & 127] for t, c in b["lane"]],
+                                          warp_bases=[[t, c >> 7, c & 127] for t, c in b["warp"]],
+                                          block_bases=[], shape=[64, 4, 128])
+
+    @triton.constexpr_function
     def _s_layout(num_warps, block_h):
         """Scores s^T [64 tokens, BLOCK_H]: with two warpgroups each takes half of the heads (N)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
@@ -314,11 +323,115 @@ if HAS_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l_i, acc
 
+    @gluon.jit
+    def _gather_ds(ring, ds_ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``_gather`` for 656-byte fp8_ds_mla rows: 512 e4m3 NoPE values into the ckv ring, the 64
+        bf16 RoPE values and the 4 fp32 group scales into their own rings (-1 slots: zeros)."""
+        tok_ptr, ptrs, start, end, n_full, n_tiles = split
+        kv_ptr, rope_ptr, scale_ptr = ptrs  # e4m3, bf16 and fp32 views of the same rows
+        if tile < n_tiles:
+            slot = tile % NUM_STAGES
+            cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])  # a warp: one row
+            rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])  # a warp: 4 rows of 128 B
+            if NUM_WARPS == 4:  # [64, 4] fp32: 8 bytes a thread
+                sl: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [NUM_WARPS, 1], [1, 0])
+            else:
+                sl: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
+            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
+            async_copy.async_copy_global_to_shared(ring[0].index(slot), kv_ptr + t.to(gl.int64)[:, None] * 656
+                                                   + c[None, :], mask=(t >= 0)[:, None])
+            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, rl))
+            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            c = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
+            async_copy.async_copy_global_to_shared(ds_ring[0].index(slot), rope_ptr + 264
+                                                   + t.to(gl.int64)[:, None] * 328 + c[None, :], mask=(t >= 0)[:, None])
+            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
+            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            c = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
+            async_copy.async_copy_global_to_shared(ds_ring[1].index(slot), scale_ptr + 128
+                                                   + t.to(gl.int64)[:, None] * 164 + c[None, :], mask=(t >= 0)[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _ds_rescale(v, sc, NUM_WARPS: gl.constexpr):
+        """v [64, 512] e4m3 (``_v_layout``), sc [64, 4] fp32 group scales in shared memory -> v with
+        every group brought to its token's largest scale (x 2^-k: exact unless a value drops into
+        e4m3's subnormals), so that one scale per token (a row of the scores, a k of p @ V) remains."""
+        l3: gl.constexpr = _v3_layout(NUM_WARPS)
+        v3 = gl.convert_layout(gl.reshape(v, [64, 4, 128]), l3)  # a rename: the same registers
+        g = sc.load(gl.SliceLayout(2, l3))
+        top = gl.max(g, axis=1)
+        ratio = gl.where(top[:, None] > 0, g / gl.maximum(top, 1e-30)[:, None], 0.0)
+        v3 = (v3.to(gl.float16) * gl.expand_dims(ratio.to(gl.float16), 2)).to(gl.float8e4nv)
+        return gl.convert_layout(gl.reshape(v3, [64, 512]), _v_layout(NUM_WARPS))
+
+    @gluon.jit
+    def _tile_ds(ring, ds_ring, split, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope, m_i, l_i, acc,
+                 NUM_STAGES: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """``_tile`` on fp8_ds_mla rows (sparse): V rescaled to one scale per token and written back;
+        scores = tok_scale * (ckv . q) + rope . q_pe (a BF16 MMA); p @ V takes p * tok_scale, so the
+        running maximum is that of scores + log2(tok_scale) (the sum l stays that of p)."""
+        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
+        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        slot = tile % NUM_STAGES
+        async_copy.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        _cta_barrier()
+        ckv = ring[0].index(slot)
+        v = _ds_rescale(ckv.load(_v_layout(NUM_WARPS)), ds_ring[1].index(slot), NUM_WARPS)
+        ckv.store(v)
+        fence_async_shared()
+        _cta_barrier()
+        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
+        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
+        r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
+                          gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
+        tl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        tok_scale = gl.convert_layout(gl.max(ds_ring[1].index(slot).load(tl), axis=1), gl.SliceLayout(1, s_layout))
+        s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s, r))
+        _cta_barrier()  # every warp is done with the slot: refill it
+        _gather_ds(ring, ds_ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
+
+        s = s * (qk_scale * tok_scale)[:, None] + gl.convert_layout(r, s_layout) * qk_rope
+        start = split[2]
+        end = split[3]
+        tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        valid = (gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0) & (tok_scale > 0)
+        s = gl.where(valid[:, None], s, -float("inf"))
+        w = s + gl.where(valid, gl.log2(gl.maximum(tok_scale, 1e-30)), 0.0)[:, None]
+        m_new = gl.maximum(m_i, gl.max(w, axis=0))
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(w - m_use[None, :])  # p * tok_scale, at most 1
+        l_i = l_i * alpha[None, :] + gl.exp2(s - m_use[None, :])
+        if SPLIT:
+            _store_split(p_smem, _relabel_p(p * 16.0), True)
+        else:
+            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]
+        vt = _relabel_v(v, a_layout, NUM_WARPS)
+        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return m_new, l_i, acc
+
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
         q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
         q_pe_ptr,  # *[B, H, 64]
-        kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576], dense: num_rows token rows of 576 bytes
+        kv_ptr,  # *fp8e4nv [num_pages, PAGE, 576], dense: num_rows token rows of 576 bytes (DS: 656)
+        rope_ptr,  # DS: *bf16 view of the same rows (328 a row); else unused
+        scale_ptr,  # DS: *fp32 view of the same rows (164 a row); else unused
         num_rows,  # num_pages * PAGE
         kv_indptr_ptr,  # *i32 [B + 1]
         kv_indices_ptr,  # *i32 [nnz] page ids
@@ -340,6 +453,7 @@ if HAS_GLUON:
         NUM_WARPS: gl.constexpr,  # = num_warps: 4 (one warpgroup), or 8 for BLOCK_H = 64
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
+        DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -351,10 +465,20 @@ if HAS_GLUON:
         q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
 
         ckv_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 512], ckv_sl)
-        kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
+        if DS:  # RoPE stays BF16 (a BF16 MMA with a BF16 q_pe); the group scales beside it
+            rope_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            ds_ring = (gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, 64], rope_sl),
+                       gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64, 4],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])))
+            kpe_ring = ckv_ring  # unused
+        else:
+            kpe_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 64, 64], kpe_sl)
         NQ: gl.constexpr = 2 if SPLIT else 1  # e4m3 terms of q and of p
         qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 512], ckv_sl)
-        qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
+        if DS:
+            qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], rope_sl)
+        else:
+            qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
         p_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
@@ -371,7 +495,11 @@ if HAS_GLUON:
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
         n_full = gl.maximum(end - start, 0) // 64
         ring = (ckv_ring, kpe_ring, bars)
-        if SPARSE:
+        if DS:
+            split_ = (tok_ptr + b.to(gl.int64) * topk, (kv_ptr, rope_ptr, scale_ptr), start, end, 0, n_tiles)
+            for i in gl.static_range(NUM_STAGES):
+                _gather_ds(ring, ds_ring, split_, i, NUM_STAGES, NUM_WARPS)
+        elif SPARSE:
             descs = (kv_ptr, kv_ptr, kv_ptr, kv_ptr)  # unused: rows come by cp.async
             split_ = (tok_ptr + b.to(gl.int64) * topk, kv_ptr, start, end, 0, n_tiles)
             for i in gl.static_range(NUM_STAGES):
@@ -401,7 +529,10 @@ if HAS_GLUON:
         hmask = (heads < H)[:, None]
         qn_ptrs = q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h
         qp_ptrs = q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h
-        amax = gl.max(gl.max(gl.abs(_load_q(qp_ptrs, hmask, 0, 64, q_layout)), axis=1), axis=0)
+        if DS:  # q_pe meets the BF16 RoPE in a BF16 MMA: only q_nope is scaled to e4m3
+            amax = gl.zeros([], gl.float32)
+        else:
+            amax = gl.max(gl.max(gl.abs(_load_q(qp_ptrs, hmask, 0, 64, q_layout)), axis=1), axis=0)
         QW: gl.constexpr = 128 if SPLIT else 512  # SPLIT: two passes of 128 columns, max |q| then the stores
         for c0 in gl.static_range(0, 512, QW):
             amax = gl.maximum(amax, gl.max(gl.max(gl.abs(_load_q(qn_ptrs, hmask, c0, QW, q_layout)), axis=1), axis=0))
@@ -411,9 +542,13 @@ if HAS_GLUON:
             q_sc = gl.maximum(amax, 1e-12) / 448.0
         for c0 in gl.static_range(0, 512, QW):
             _store_split(qn_smem, _load_q(qn_ptrs, hmask, c0, QW, q_layout) / q_sc, SPLIT, c0)
-        _store_split(qp_smem, _load_q(qp_ptrs, hmask, 0, 64, q_layout) / q_sc, SPLIT)
+        if DS:
+            qr_smem.store(_load_q(qp_ptrs, hmask, 0, 64, q_layout).to(gl.bfloat16))
+        else:
+            _store_split(qp_smem, _load_q(qp_ptrs, hmask, 0, 64, q_layout) / q_sc, SPLIT)
         fence_async_shared()
         _cta_barrier()
+        qk_rope = qk_scale  # DS: the BF16 q_pe is not scaled
         if SPLIT:
             qk_scale = qk_scale * q_sc * 0.0625
         else:
@@ -422,7 +557,12 @@ if HAS_GLUON:
         m_i = gl.full([BLOCK_H], -float("inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
         l_i = gl.zeros([64, BLOCK_H], gl.float32, layout=s_layout)
         acc = gl.zeros([512, BLOCK_H], gl.float32, layout=acc_layout)  # out^T, rows relabelled
-        if SPARSE:  # every tile masked: any slot may be -1
+        if DS:
+            for tile in range(0, n_tiles):
+                m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope,
+                                         m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+            async_copy.wait_group(0)
+        elif SPARSE:  # every tile masked: any slot may be -1
             for tile in range(0, n_tiles):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
                                       True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, True, SPLIT)
@@ -503,6 +643,34 @@ def capped_splits(num_splits: int, seq_len: int, precision: str, max_split_len: 
     return max(num_splits, triton.cdiv(seq_len, max_split_len))
 
 
+KV_LAYOUTS = ("fp8_per_tensor", "fp8_ds_mla")
+
+
+def check_ds_args(kv_buffer: torch.Tensor, kv_layout: str, sparse: bool, k_scale: float,
+                  v_scale: float | None) -> bool:
+    """Whether the rows are fp8_ds_mla (ValueError naming the rule if this call cannot read them)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"mla_decode_fp8_gluon: kv_layout={kv_layout!r}; allowed {list(KV_LAYOUTS)}")
+    if kv_layout == "fp8_per_tensor":
+        return False
+    if not sparse:
+        raise ValueError("mla_decode_fp8_gluon: kv_layout='fp8_ds_mla' is read for sparse batches only "
+                         "(token_indices); dense pages of it: use mla_decode_fp8_rows")
+    if kv_buffer.dtype != torch.uint8 or kv_buffer.dim() != 3 or kv_buffer.shape[-1] != 656:
+        raise ValueError(f"mla_decode_fp8_gluon: fp8_ds_mla kv_buffer must be uint8 [num_pages, page_size, 656], "
+                         f"got {kv_buffer.dtype} {tuple(kv_buffer.shape)}")
+    if k_scale != 1.0 or v_scale not in (None, 1.0):
+        raise ValueError(f"mla_decode_fp8_gluon: k_scale={k_scale}, v_scale={v_scale}; fp8_ds_mla rows carry "
+                         f"their own scales (use 1.0)")
+    return True
+
+
+def ds_views(kv_buffer: torch.Tensor):
+    """uint8 [..., 656] fp8_ds_mla rows -> (e4m3 [..., 656], bf16 [..., 328], fp32 [..., 164]) views of
+    the same bytes: the NoPE values, the RoPE values (from 264) and the group scales (from 128)."""
+    return kv_buffer.view(torch.float8_e4m3fn), kv_buffer.view(torch.bfloat16), kv_buffer.view(torch.float32)
+
+
 def check_gluon_args(H: int, page_size: int, device: torch.device, sparse: bool = False):
     """Why this kernel cannot run here (ValueError naming the rule), before any launch. Sparse
     batches read rows by id, so any page size; dense ones tile pages of 64 or 128."""
@@ -524,7 +692,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
-                         max_split_len: int | None = None):
+                         max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor"):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -554,10 +722,12 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     -------
     out : [B, H, 512] q dtype; with ``return_lse`` also lse : [B, H] float32 (natural log).
     """
-    B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices,
-                                        kv_lens, kv_dtypes=(torch.float8_e4m3fn,))
-    dev = q_nope.device
     sparse = token_indices is not None
+    ds = check_ds_args(kv_buffer, kv_layout, sparse, k_scale, v_scale)
+    B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, ds_views(kv_buffer)[0][..., :576]
+                                        if ds else kv_buffer, kv_indptr, kv_indices, kv_lens,
+                                        kv_dtypes=(torch.float8_e4m3fn,))
+    dev = q_nope.device
     check_gluon_args(H, page_size, dev, sparse)
     if precision not in PRECISIONS:
         raise ValueError(f"mla_decode_fp8_gluon: precision={precision!r}; allowed {list(PRECISIONS)}")
@@ -565,8 +735,9 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                    or not token_indices.is_contiguous()):
         raise ValueError(f"mla_decode_fp8_gluon: token_indices must be contiguous int32 [B={B}, topk], got "
                          f"{token_indices.dtype} {tuple(token_indices.shape)}")
-    if kv_buffer.stride(0) != page_size * (D_CKV + D_KPE):
-        raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * 576), "
+    row = 656 if ds else D_CKV + D_KPE
+    if kv_buffer.stride(0) != page_size * row or kv_buffer.stride(1) != row:
+        raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
     block_h, num_warps, cfg = block_config(H)
     cfg = dict(cfg)
@@ -586,13 +757,14 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
+    kv, rope, scales = ds_views(kv_buffer) if ds else (kv_buffer, kv_buffer, kv_buffer)
     _mla_decode_fp8_gluon_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
+        q_nope, q_pe, kv, rope, scales, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

@@ -40,6 +40,7 @@ class Backend:
     fn: Callable = field(repr=False)
     kv_dtypes: tuple = ("fp8_e4m3", "bf16")
     kv_layouts: tuple = ("fp8_per_tensor", "bf16")  # labkit.kvlayout names
+    dense_layouts: tuple | None = None  # for dense batches, if not kv_layouts
     precision: str = "accurate"  # "fast" or "accurate" (module docstring)
     dense: bool = True  # takes dense batches (every token of the request's pages)
     sparse: bool = False  # takes sparse batches (top-k token slots per request)
@@ -71,6 +72,9 @@ class Backend:
                 kind = "sparse (top-k token slots)" if batch.topk else "dense"
                 raise ValueError(f"backend {self.name!r} takes {'sparse' if self.sparse else 'dense'} "
                                  f"batches only, this one is {kind}")
+            if not batch.topk and self.dense_layouts is not None and pool.kv_layout not in self.dense_layouts:
+                raise ValueError(f"backend {self.name!r} reads kv_layout {pool.kv_layout!r} in sparse batches only; "
+                                 f"dense ones: {list(self.dense_layouts)}")
         if dev.type == "cpu" and not self.runs_on_cpu:
             raise ValueError(f"backend {self.name!r} needs a CUDA device; the pool is on the CPU")
         if dev.type == "cuda" and self.min_capability:

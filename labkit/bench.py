@@ -59,6 +59,8 @@ GRIDS = {
     "gpu-heads": [*[Shape("heads", h, 64, 8 * K) for h in (64, 128, 32)], *[Shape("one", h, 1, 8 * K) for h in (64, 128)],
                   *[Shape("sparse", h, b, 32 * K, page_size=1, topk=TOPK) for h, b in ((16, 64), (64, 64), (128, 128))],
                   Shape("mem", 16, 64, 8 * K)],
+    "gpu-sparse": [Shape("sparse", h, b, 32 * K, page_size=1, topk=TOPK, kv_layout=lay)
+                   for h, b in ((16, 64), (64, 64), (128, 128)) for lay in ("fp8_per_tensor", "fp8_ds_mla")],
     "gpu-host": [Shape("one", h, 1, 8 * K) for h in (16, 64, 128)],  # host time per eager call, FlashInfer beside
     "gpu-quick": [Shape("mem", 16, 64, 8 * K), Shape("heads", 128, 64, 8 * K), Shape("one", 64, 1, 8 * K),
                   Shape("sparse", 64, 64, 32 * K, page_size=1, topk=TOPK)],

@@ -120,9 +120,11 @@ def _fp8_gluon(precision: str):
     def fp8_native_gluon(q_nope, q_pe, pool: KVPool, layer: int, batch: DecodeBatch, sm_scale: float):
         """FP8 pages by TMA (rows by cp.async when sparse), q and p in e4m3 (one or two terms each):
         both products on FP8 tensor cores."""
+        ds = pool.kv_layout == "fp8_ds_mla"
         return mla_decode_fp8_gluon(q_nope, q_pe, pool.layer(layer), batch.kv_indptr, batch.kv_indices,
-                                    batch.kv_lens, sm_scale, k_scale=pool.scale(layer), max_len=batch.max_len,
-                                    token_indices=batch.token_indices, precision=precision)
+                                    batch.kv_lens, sm_scale, k_scale=1.0 if ds else pool.scale(layer),
+                                    max_len=batch.max_len, token_indices=batch.token_indices, precision=precision,
+                                    kv_layout=pool.kv_layout)
     return fp8_native_gluon
 
 
@@ -171,7 +173,8 @@ for _name, _prec, _how in (
                                   "tokens: 2.0-2.6e-3 (H200)")):
     register(Backend(f"fp8_native.{_name}", "fp8_native", _name, _fp8_gluon(_prec),
                      planner=triton_plans.gluon(_prec), kv_dtypes=("fp8_e4m3",),
-                     kv_layouts=("fp8_per_tensor",), precision=_prec, sparse=True,
+                     kv_layouts=("fp8_per_tensor", "fp8_ds_mla"), dense_layouts=("fp8_per_tensor",),
+                     precision=_prec, sparse=True,
                      min_capability=TMA_SM, max_capability=TMA_SM, page_sizes=(64, 128),
                      sparse_page_sizes=ALL_PAGE_SIZES, max_heads=GLUON_MAX_HEADS, runs_on_cpu=False,
                      kernel="Gluon mla_decode_fp8_gluon: TMA ring (cp.async rows when sparse), FP8 wgmma "

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import backends, kvpool, reference  # first: sets TRITON_INTERPRET on a CPU before triton loads
+from labkit import backends, kvlayout, kvpool, reference  # first: sets TRITON_INTERPRET on a CPU before triton loads
 from labkit.kernels import mla_decode_fp8_gluon as G
 
 import triton  # noqa: E402
@@ -156,6 +156,28 @@ def test_accurate_splits_hold_at_most_4096_tokens():
         assert G.capped_splits(splits, n, "fast") == splits
         assert G.capped_splits(splits, n, "accurate", max_split_len=0) == splits
     assert G.capped_splits(1, 8192, "fast", max_split_len=1024) == 8
+
+
+def test_ds_mla_rules_name_the_rule():
+    """fp8_ds_mla: sparse only, uint8 [.., 656] rows, their own scales; the backend refuses a dense
+    batch on such a pool by its rule, before any device check."""
+    rows = torch.zeros(4, 1, 656, dtype=torch.uint8)
+    assert G.check_ds_args(rows, "fp8_ds_mla", True, 1.0, None) is True
+    assert G.check_ds_args(rows, "fp8_per_tensor", False, 0.5, None) is False
+    for args, match in [((rows, "fp8_ds_mla", False, 1.0, None), "sparse batches only"),
+                        ((rows, "bf16", True, 1.0, None), "kv_layout='bf16'; allowed"),
+                        ((rows[..., :576], "fp8_ds_mla", True, 1.0, None), "uint8 \\[num_pages, page_size, 656\\]"),
+                        ((rows, "fp8_ds_mla", True, 0.5, None), "own scales")]:
+        with pytest.raises(ValueError, match=match):
+            G.check_ds_args(*args)
+    e4m3, bf16, fp32 = G.ds_views(rows)
+    assert (e4m3.shape[-1], bf16.shape[-1], fp32.shape[-1]) == (656, 328, 164)
+    pool = kvpool.random_pool(1, 64 * 4, 64, kv_layout="fp8_ds_mla")
+    batch = kvpool.batch_for_pool(pool, [100, 64])
+    qn, _ = kvpool.make_queries(2, 16)
+    for name in ("fp8_native.gluon", "fp8_native.gluon_acc"):
+        with pytest.raises(ValueError, match="in sparse batches only"):
+            backends.get(name).check(qn, pool, batch)
 
 
 def test_refusals_name_the_rule():
@@ -312,3 +334,46 @@ def test_gpu_gluon_accurate(heads, sparse):
         out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
                                      pool.scale(0), num_splits=1, precision="accurate")
         assert reference.rel_err(out, ref) < TOL_ACCURATE
+
+
+def _ds_pool(page_size: int, tokens: int, seed: int, spread: int = 6):
+    """A one-layer fp8_ds_mla pool whose 128-value groups differ in magnitude by up to 2^spread
+    within a token (so the kernel's rescale to one scale per token is exercised)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = -(-tokens // page_size)
+    x = torch.randn(1, pages, page_size, 576, generator=gen)
+    x[..., :512] *= torch.exp2(torch.randint(-spread, 1, (1, pages, page_size, 4), generator=gen).float()
+                               ).repeat_interleave(128, -1)
+    buf, _ = kvlayout.quantize(x, "fp8_ds_mla")
+    return kvpool.KVPool(buf.cuda(), torch.ones(1), 512, "fp8_ds_mla")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page_size,heads", [(1, 16), (1, 64), (64, 128), (1, 32), (16, 8)])
+def test_gpu_gluon_sparse_ds_mla(page_size, heads):
+    """656-byte rows (4 group scales a token, BF16 RoPE): the oracle over the valid slots for both
+    precisions, -1 slots anywhere, every split mode; the backend's plan the same; dense refused."""
+    lens, topk = [3000, 17, 4096, 700], 1024
+    pool = _ds_pool(page_size, page_size * (sum(-(-n // page_size) for n in lens) + 3), seed=heads)
+    batch = kvpool.sparse_batch_for_pool(pool, lens, topk, seed=heads + 1)
+    slots = batch.slots(0).clone()
+    slots[0, :70] = -1
+    slots[2, 100::7] = -1
+    batch = batch.with_slots(slots)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    for precision, tol in (("fast", TOL_GPU_P8), ("accurate", TOL_ACCURATE)):
+        for splits in (None, 1, 5):
+            out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                                              SM, num_splits=splits, return_lse=True, token_indices=slots,
+                                              precision=precision, kv_layout="fp8_ds_mla")
+            assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol, (precision, splits)
+            assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
+        name = "fp8_native.gluon" if precision == "fast" else "fp8_native.gluon_acc"
+        plan = backends.get(name).plan(pool, batch, heads, SM, qn.dtype)
+        assert reference.rel_err(plan.run(qn, qp, 0, slots), ref) < tol
+    dense = kvpool.batch_for_pool(pool, lens, seed=1) if page_size >= 64 else None
+    if dense is not None:
+        with pytest.raises(ValueError, match="sparse batches only"):
+            backends.get("fp8_native.gluon").check(qn, pool, dense)

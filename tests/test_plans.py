@@ -83,7 +83,8 @@ def test_unplanned_cases_fall_back_to_the_function():
     sparse = batch.with_slots(kvpool.random_slots(batch, 8, seed=1))
     assert triton_plans.fp8_native(True)(pool, sparse, 4, SM_SCALE, qn.dtype) is None
     ds = kvpool.random_pool(1, 256, 16, kv_layout="fp8_ds_mla")
-    assert triton_plans.gluon("fast")(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype) is None
+    with pytest.raises(ValueError, match="sparse batches only"):  # the Gluon kernel reads ds_mla slots only
+        triton_plans.gluon("fast")(ds, kvpool.batch_for_pool(ds, [20]), 4, SM_SCALE, qn.dtype)
 
 
 @pytest.mark.gpu
