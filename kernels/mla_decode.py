@@ -166,7 +166,7 @@ def decode_buffers(batch: int, heads: int, num_splits: int, out_dtype, device):
 
 
 def check_decode_args(kernel: str, q_nope, q_pe, kv_buffer, kv_indptr, kv_indices, kv_lens,
-                      kv_dtypes: tuple, q_dtypes: tuple = (torch.bfloat16, torch.float16)):
+                      kv_dtypes: tuple, q_dtypes: tuple = (torch.bfloat16, torch.float16), row: int = D_CKV + D_KPE):
     """Validate the decode interface; raise ValueError naming the argument. Returns (B, H, page_size)."""
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv_buffer", kv_buffer), ("kv_indptr", kv_indptr),
                     ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
@@ -196,7 +196,7 @@ def check_decode_args(kernel: str, q_nope, q_pe, kv_buffer, kv_indptr, kv_indice
     page_size = kv_buffer.shape[1]
     if page_size < 1 or page_size > 128 or page_size & (page_size - 1):
         raise ValueError(f"{kernel}: kv_buffer page_size={page_size}; allowed powers of two 1..128")
-    if kv_buffer.stride(2) != 1 or kv_buffer.stride(1) != D_CKV + D_KPE or kv_buffer.stride(0) % 16:
+    if kv_buffer.stride(2) != 1 or kv_buffer.stride(1) != row or kv_buffer.stride(0) % 16:
         raise ValueError(f"{kernel}: kv_buffer strides {tuple(kv_buffer.stride())}: token rows must be "
                          f"contiguous and the page stride a multiple of 16")
     for name, t, n in (("kv_indptr", kv_indptr, B + 1), ("kv_lens", kv_lens, B), ("kv_indices", kv_indices, None)):

@@ -726,7 +726,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     ds = check_ds_args(kv_buffer, kv_layout, sparse, k_scale, v_scale)
     B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, ds_views(kv_buffer)[0][..., :576]
                                         if ds else kv_buffer, kv_indptr, kv_indices, kv_lens,
-                                        kv_dtypes=(torch.float8_e4m3fn,))
+                                        kv_dtypes=(torch.float8_e4m3fn,), row=656 if ds else D_CKV + D_KPE)
     dev = q_nope.device
     check_gluon_args(H, page_size, dev, sparse)
     if precision not in PRECISIONS:

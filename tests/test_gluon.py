@@ -174,7 +174,11 @@ def test_ds_mla_rules_name_the_rule():
     assert (e4m3.shape[-1], bf16.shape[-1], fp32.shape[-1]) == (656, 328, 164)
     pool = kvpool.random_pool(1, 64 * 4, 64, kv_layout="fp8_ds_mla")
     batch = kvpool.batch_for_pool(pool, [100, 64])
-    qn, _ = kvpool.make_queries(2, 16)
+    qn, qp = kvpool.make_queries(2, 16)
+    slots = kvpool.random_slots(batch, 32, seed=1)
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):  # every argument check passed before this one
+        G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
+                               token_indices=slots, kv_layout="fp8_ds_mla")
     for name in ("fp8_native.gluon", "fp8_native.gluon_acc"):
         with pytest.raises(ValueError, match="in sparse batches only"):
             backends.get(name).check(qn, pool, batch)
