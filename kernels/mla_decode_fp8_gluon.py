@@ -166,15 +166,6 @@ if HAS_GLUON:
                                           block_bases=[], shape=[64, 4, 128])
 
     @triton.constexpr_function
-    def _sc_layout(num_warps):
-        """[64 tokens, 4 groups] with the tokens where the wgmma accumulator (``_s_layout``) keeps its
-        rows (a warp 16 rows: lanes / 4 and register bit 1 -> +8), the 4 groups in registers."""
-        return gl.DistributedLinearLayout(reg_bases=[[8, 0], [0, 1], [0, 2]],
-                                          lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-                                          warp_bases=[[16, 0], [32, 0]] + ([[0, 0]] if num_warps == 8 else []),
-                                          block_bases=[], shape=[64, 4])
-
-    @triton.constexpr_function
     def _s_layout(num_warps, block_h):
         """Scores s^T [64 tokens, BLOCK_H]: with two warpgroups each takes half of the heads (N)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
@@ -377,58 +368,41 @@ if HAS_GLUON:
         return gl.convert_layout(gl.reshape(v3, [64, 512]), _v_layout(NUM_WARPS))
 
     @gluon.jit
-    def _group_scores(ckv, qn_smem, g: gl.constexpr, BLOCK_H: gl.constexpr, s_layout: gl.constexpr,
-                      SPLIT: gl.constexpr):
-        """The scores of NoPE group g (128 columns) as async FP8 MMAs: its scale is applied per token after."""
-        k = ckv.slice(g * 128, 128, dim=1)
-        s = warpgroup_mma(k, qn_smem.index(0).slice(g * 128, 128, dim=1).permute((1, 0)),
-                          gl.zeros([64, BLOCK_H], gl.float32, s_layout), use_acc=False, is_async=True)
-        if SPLIT:
-            s = warpgroup_mma(k, qn_smem.index(1).slice(g * 128, 128, dim=1).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
     def _tile_ds(ring, ds_ring, split, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope, m_i, l_i, acc,
                  NUM_STAGES: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
-        """``_tile`` on fp8_ds_mla rows (sparse): scores = sum over the 4 groups of scale * (ckv_g . q_g)
-        (one MMA a group) + rope . q_pe (a BF16 MMA); V rescaled in registers to one scale per token
-        (tok_scale, the largest of its 4) while they run; p @ V takes p * tok_scale, so the running
-        maximum is that of scores + log2(tok_scale) (the sum l stays that of p)."""
+        """``_tile`` on fp8_ds_mla rows (sparse): V rescaled to one scale per token and written back;
+        scores = tok_scale * (ckv . q) + rope . q_pe (a BF16 MMA); p @ V takes p * tok_scale, so the
+        running maximum is that of scores + log2(tok_scale) (the sum l stays that of p)."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
         acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
-                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
         slot = tile % NUM_STAGES
         async_copy.wait_group(NUM_STAGES - 1)
         fence_async_shared()
         _cta_barrier()
         ckv = ring[0].index(slot)
-        s0 = _group_scores(ckv, qn_smem, 0, BLOCK_H, s_layout, SPLIT)
-        s1 = _group_scores(ckv, qn_smem, 1, BLOCK_H, s_layout, SPLIT)
-        s2 = _group_scores(ckv, qn_smem, 2, BLOCK_H, s_layout, SPLIT)
-        s3 = _group_scores(ckv, qn_smem, 3, BLOCK_H, s_layout, SPLIT)
+        v = _ds_rescale(ckv.load(_v_layout(NUM_WARPS)), ds_ring[1].index(slot), NUM_WARPS)
+        ckv.store(v)
+        fence_async_shared()
+        _cta_barrier()
+        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
+        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
         r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
                           gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
-        sc = ds_ring[1].index(slot)
-        v = _ds_rescale(ckv.load(_v_layout(NUM_WARPS)), sc, NUM_WARPS)  # while the MMAs run
-        row: gl.constexpr = gl.SliceLayout(1, s_layout)
-        x = sc.load(_sc_layout(NUM_WARPS))  # [64, 4]: a thread holds its score rows' 4 scales
-        g = gl.arange(0, 4, layout=gl.SliceLayout(0, _sc_layout(NUM_WARPS)))[None, :]
-        c0 = gl.convert_layout(gl.sum(gl.where(g == 0, x, 0.0), axis=1), row)  # the same registers: free
-        c1 = gl.convert_layout(gl.sum(gl.where(g == 1, x, 0.0), axis=1), row)
-        c2 = gl.convert_layout(gl.sum(gl.where(g == 2, x, 0.0), axis=1), row)
-        c3 = gl.convert_layout(gl.sum(gl.where(g == 3, x, 0.0), axis=1), row)
-        tok_scale = gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3))
-        s0, s1, s2, s3, r = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, r))
+        tl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        tok_scale = gl.convert_layout(gl.max(ds_ring[1].index(slot).load(tl), axis=1), gl.SliceLayout(1, s_layout))
+        s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s, r))
         _cta_barrier()  # every warp is done with the slot: refill it
         _gather_ds(ring, ds_ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
 
-        s = (s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * qk_scale \
-            + gl.convert_layout(r, s_layout) * qk_rope
+        s = s * (qk_scale * tok_scale)[:, None] + gl.convert_layout(r, s_layout) * qk_rope
         start = split[2]
         end = split[3]
-        tok = start + tile * 64 + gl.arange(0, 64, layout=row)
+        tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         valid = (gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0) & (tok_scale > 0)
         s = gl.where(valid[:, None], s, -float("inf"))
         w = s + gl.where(valid, gl.log2(gl.maximum(tok_scale, 1e-30)), 0.0)[:, None]
