@@ -206,7 +206,8 @@ def select(path: str, q_nope: torch.Tensor, pool: KVPool, batch: DecodeBatch, pr
     if path not in PATHS:
         raise ValueError(f"path={path!r}; allowed: {list(PATHS)}")
     arch = preferences.arch_of(pool.device)
-    ranked, _ = preferences.order(path, arch, q_nope.shape[1], batch.batch_size, bool(batch.topk), precision)
+    ranked, _ = preferences.order(path, arch, q_nope.shape[1], batch.batch_size, bool(batch.topk), precision,
+                                  kv_layout=pool.kv_layout)
     rest = [b.impl for b in REGISTRY.values() if b.path == path and b.impl not in ranked]
     why = []
     for impl in (*ranked, *rest):

@@ -55,17 +55,19 @@ def load(arch: str, table_dir: Path = TABLE_DIR) -> dict | None:
 
 
 def order(path: str, arch: str, heads: int, batch: int, sparse: bool, precision: str,
-          table_dir: Path = TABLE_DIR) -> tuple[tuple, str]:
-    """(implementations fastest first, where the order came from: "table", "fallback" or "cpu")."""
+          table_dir: Path = TABLE_DIR, kv_layout: str | None = None) -> tuple[tuple, str]:
+    """(implementations fastest first, where the order came from: "table", "fallback" or "cpu").
+    A row measured on ``kv_layout`` wins over one of another layout (or of none, older tables)."""
     if arch == "cpu":
         return CPU_ORDER, "cpu"
     table = load(arch, table_dir)
     if table:
         hb, bb = band(heads, HEAD_BANDS), band(batch, BATCH_BANDS)
-        for row in table["rows"]:
-            if (row["path"], row["sparse"], row["precision"], row["heads"], row["batch"]) == (
-                    path, sparse, precision, hb, bb):
-                return tuple(row["order"]), "table"
+        rows = [r for r in table["rows"] if (r["path"], r["sparse"], r["precision"], r["heads"], r["batch"]) == (
+            path, sparse, precision, hb, bb)]
+        rows.sort(key=lambda r: r.get("kv_layout") != kv_layout)
+        if rows:
+            return tuple(rows[0]["order"]), "table"
     return FALLBACK.get(path, ()), "fallback"
 
 
@@ -77,15 +79,18 @@ def from_records(df, arch: str, source: str, time_col: str = "graph_us") -> dict
     df["hb"] = df.heads.map(lambda h: tuple(band(int(h), HEAD_BANDS)))
     df["bb"] = df.batch.map(lambda b: tuple(band(int(b), BATCH_BANDS)))
     df["sparse"] = df.topk > 0
+    if "kv_layout" not in df:
+        df["kv_layout"] = None
     rows = []
-    for (path, sparse, hb, bb), g in df.groupby(["path", "sparse", "hb", "bb"]):
+    for (path, sparse, hb, bb, layout), g in df.groupby(["path", "sparse", "hb", "bb", "kv_layout"], dropna=False):
         for precision in ("fast", "accurate"):
             sel = g if precision == "fast" else g[g.precision == "accurate"]
             if sel.empty:
                 continue
             t = sel.groupby("impl")[time_col].median().sort_values()
             rows.append(dict(path=path, sparse=bool(sparse), precision=precision, heads=list(hb),
-                             batch=list(bb), order=list(t.index), median_us=[round(float(v), 2) for v in t]))
+                             batch=list(bb), order=list(t.index), median_us=[round(float(v), 2) for v in t],
+                             **({} if layout is None or layout != layout else {"kv_layout": layout})))
     return dict(arch=arch, source=source, time=time_col, rows=rows)
 
 

@@ -59,7 +59,8 @@ def test_preference_table_from_bench_records(cpu_run, tmp_path):
     table = json.loads(paths[0].read_text())
     assert paths[0].parent == tmp_path and table["arch"] == "sm_90" and table["source"] == "test run"
     for r in table["rows"]:
-        sel = ours[(ours.path == r["path"]) & ((ours.topk > 0) == r["sparse"])]
+        sel = ours[(ours.path == r["path"]) & ((ours.topk > 0) == r["sparse"])
+                   & (ours.kv_layout == r.get("kv_layout", "fp8_per_tensor"))]
         if r["precision"] == "accurate":
             sel = sel[sel.precision == "accurate"]
         med = sel.groupby("impl").graph_us.median().sort_values()

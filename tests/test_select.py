@@ -55,6 +55,25 @@ def test_from_records_ranks_by_time_and_skips_peers():
     assert rows["fast"]["heads"] == [1, 16] and rows["fast"]["batch"] == [9, 1 << 20]
 
 
+def test_rows_are_kept_per_kv_layout_and_matched_by_it(tmp_path):
+    """The same shape measured on two layouts gives two rows; order() takes the pool's layout's row,
+    and another layout's row where its own was not measured."""
+    import pandas as pd
+
+    rec = dict(path="fp8_native", heads=16, batch=64, topk=2048, precision="fast")
+    df = pd.DataFrame([dict(rec, impl="gluon", kv_layout="fp8_per_tensor", graph_us=37.0),
+                       dict(rec, impl="rows", kv_layout="fp8_per_tensor", graph_us=70.0),
+                       dict(rec, impl="gluon", kv_layout="fp8_ds_mla", graph_us=150.0),
+                       dict(rec, impl="rows", kv_layout="fp8_ds_mla", graph_us=120.0)])
+    table = preferences.from_records(df, "sm_90", "t")
+    assert sorted((r["kv_layout"], tuple(r["order"])) for r in table["rows"]) == [
+        ("fp8_ds_mla", ("rows", "gluon")), ("fp8_per_tensor", ("gluon", "rows"))]
+    (tmp_path / "sm_90.json").write_text(json.dumps(table))
+    order = lambda layout: preferences.order("fp8_native", "sm_90", 16, 64, True, "fast", tmp_path, layout)[0]  # noqa: E731
+    assert order("fp8_ds_mla") == ("rows", "gluon") and order("fp8_per_tensor") == ("gluon", "rows")
+    assert order("bf16") in {("rows", "gluon"), ("gluon", "rows")}  # not measured: a row of another layout
+
+
 def test_plan_is_cached_and_runs_each_layer():
     qn, pool, batch = _case()
     b = backends.get("fp8_native.torch")
