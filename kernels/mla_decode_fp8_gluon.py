@@ -23,6 +23,14 @@ so that V never goes through shared memory a second time:
   shared memory so that the partials leave in 16-byte stores).
 * Sparse (``token_indices``): a tile is 64 token slots; their rows come by cp.async (no row gather
   in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size.
+* Sparse on fp8_ds_mla rows (``DS``, 656 B: 512 e4m3 | 4 fp32 group scales | 64 bf16 RoPE): the
+  rows' three parts come by cp.async into three rings; each token's groups are brought to its
+  largest scale in the V registers (x 2^-k, exact unless a value falls into e4m3's subnormals) and
+  written back, so the score MMA stays one K = 512 MMA; RoPE is a BF16 MMA against a BF16 q_pe; the
+  token's scale multiplies its score row and, as log2(scale) added to the logits, its p (the
+  running max is over scores + log2 scale, l sums the plain p). Measured (H200) 2.6x the per-tensor
+  kernel's time at 16 heads: the write-back serializes the tile and the rescale costs ~1000
+  instructions a thread a tile.
 * precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
   the same accumulators; twice the MMAs, V unchanged.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:
@@ -37,7 +45,7 @@ Error (H200, run 7b): fast, FP8 query (one scale per CTA) and FP8 probabilities,
 to the exact result; accurate 2.0-2.6e-3 with splits of at most 4096 tokens (ACCURATE_SPLIT_LEN:
 8192-token splits gave 3.7e-3 at 128 heads, dense 64 x 8K).
 Needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon (Triton >= 3.5); dense pages of 64 and 128, sparse
-any; 1..128 heads.
+any; 1..128 heads; fp8_ds_mla sparse only.
 """
 from __future__ import annotations
 
