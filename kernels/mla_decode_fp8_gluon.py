@@ -271,13 +271,30 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _pv(p, alpha, v, acc, p_smem, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """acc * alpha + V^T @ p^T: p (at most 1) into e4m3 (x P_SCALE, or two terms) in shared memory,
+        V^T relabelled in registers as the A operand."""
+        acc_layout: gl.constexpr = acc.type.layout
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
+            _store_split(p_smem, _relabel_p(p * 16.0), True)
+        else:
+            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
+        vt = _relabel_v(v, a_layout, NUM_WARPS)
+        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
               NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
-        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         ckv_ring, kpe_ring, bars = ring
         slot = tile % NUM_STAGES
         if SPARSE:  # this thread's copies of the tile have landed; then everyone's; then the MMA may read
@@ -317,19 +334,7 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[None, :])
         l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
-        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
-            _store_split(p_smem, _relabel_p(p * 16.0), True)
-        else:
-            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
-        fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
-        vt = _relabel_v(v, a_layout, NUM_WARPS)
-        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
-        if SPLIT:
-            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return m_new, l_i, acc
+        return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit
     def _gather_ds(ring, ds_ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -382,8 +387,6 @@ if HAS_GLUON:
         scores = tok_scale * (ckv . q) + rope . q_pe (a BF16 MMA); p @ V takes p * tok_scale, so the
         running maximum is that of scores + log2(tok_scale) (the sum l stays that of p)."""
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
-        acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         slot = tile % NUM_STAGES
         async_copy.wait_group(NUM_STAGES - 1)
         fence_async_shared()
@@ -419,19 +422,7 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(w - m_use[None, :])  # p * tok_scale, at most 1
         l_i = l_i * alpha[None, :] + gl.exp2(s - m_use[None, :])
-        if SPLIT:
-            _store_split(p_smem, _relabel_p(p * 16.0), True)
-        else:
-            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
-        fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]
-        vt = _relabel_v(v, a_layout, NUM_WARPS)
-        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
-        if SPLIT:
-            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return m_new, l_i, acc
+        return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
