@@ -54,7 +54,8 @@ import functools
 import torch
 import triton
 
-from .mla_decode import D_CKV, D_KPE, LOG2E, check_decode_args, decode_buffers, resolve_splits
+from .mla_decode import LOG2E, check_decode_args, decode_buffers, resolve_splits
+from .mla_decode_fp8_rows import LAYOUT_ROW, rows_views
 from .mla_merge import mla_merge
 
 try:  # Gluon: Triton >= 3.5
@@ -642,7 +643,7 @@ def capped_splits(num_splits: int, seq_len: int, precision: str, max_split_len: 
     return max(num_splits, triton.cdiv(seq_len, max_split_len))
 
 
-KV_LAYOUTS = ("fp8_per_tensor", "fp8_ds_mla")
+KV_LAYOUTS = tuple(LAYOUT_ROW)  # fp8_ds_mla rows: e4m3 NoPE at 0, fp32 scales at byte 512, bf16 RoPE at 528
 
 
 def check_ds_args(kv_buffer: torch.Tensor, kv_layout: str, sparse: bool, k_scale: float,
@@ -662,12 +663,6 @@ def check_ds_args(kv_buffer: torch.Tensor, kv_layout: str, sparse: bool, k_scale
         raise ValueError(f"mla_decode_fp8_gluon: k_scale={k_scale}, v_scale={v_scale}; fp8_ds_mla rows carry "
                          f"their own scales (use 1.0)")
     return True
-
-
-def ds_views(kv_buffer: torch.Tensor):
-    """uint8 [..., 656] fp8_ds_mla rows -> (e4m3 [..., 656], bf16 [..., 328], fp32 [..., 164]) views of
-    the same bytes: the NoPE values, the RoPE values (from 264) and the group scales (from 128)."""
-    return kv_buffer.view(torch.float8_e4m3fn), kv_buffer.view(torch.bfloat16), kv_buffer.view(torch.float32)
 
 
 def check_gluon_args(H: int, page_size: int, device: torch.device, sparse: bool = False):
@@ -723,9 +718,10 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     """
     sparse = token_indices is not None
     ds = check_ds_args(kv_buffer, kv_layout, sparse, k_scale, v_scale)
-    B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, ds_views(kv_buffer)[0][..., :576]
-                                        if ds else kv_buffer, kv_indptr, kv_indices, kv_lens,
-                                        kv_dtypes=(torch.float8_e4m3fn,), row=656 if ds else D_CKV + D_KPE)
+    kv, kv32, kv16 = rows_views(kv_buffer, kv_layout)  # e4m3, fp32 and bf16 views of the same rows
+    row = LAYOUT_ROW[kv_layout]
+    B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, kv[..., :576], kv_indptr, kv_indices,
+                                        kv_lens, kv_dtypes=(torch.float8_e4m3fn,), row=row)
     dev = q_nope.device
     check_gluon_args(H, page_size, dev, sparse)
     if precision not in PRECISIONS:
@@ -734,8 +730,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                    or not token_indices.is_contiguous()):
         raise ValueError(f"mla_decode_fp8_gluon: token_indices must be contiguous int32 [B={B}, topk], got "
                          f"{token_indices.dtype} {tuple(token_indices.shape)}")
-    row = 656 if ds else D_CKV + D_KPE
-    if kv_buffer.stride(0) != page_size * row or kv_buffer.stride(1) != row:
+    if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
     block_h, num_warps, cfg = block_config(H)
@@ -756,9 +751,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-    kv, rope, scales = ds_views(kv_buffer) if ds else (kv_buffer, kv_buffer, kv_buffer)
     _mla_decode_fp8_gluon_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv, rope, scales, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
+        q_nope, q_pe, kv, kv16, kv32, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),

@@ -90,7 +90,7 @@ def from_records(df, arch: str, source: str, time_col: str = "graph_us") -> dict
             t = sel.groupby("impl")[time_col].median().sort_values()
             rows.append(dict(path=path, sparse=bool(sparse), precision=precision, heads=list(hb),
                              batch=list(bb), order=list(t.index), median_us=[round(float(v), 2) for v in t],
-                             **({} if layout is None or layout != layout else {"kv_layout": layout})))
+                             **({"kv_layout": layout} if isinstance(layout, str) else {})))
     return dict(arch=arch, source=source, time=time_col, rows=rows)
 
 

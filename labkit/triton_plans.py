@@ -183,16 +183,12 @@ def gluon(precision: str):
 def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     """``mla_decode_fp8_gluon`` planned: its rules checked once, then the same kernel launched with
     the launcher's arguments and defaults (``GPU_CONFIG``), partials and merge from ``SplitKV``.
-    fp8_ds_mla (sparse only): the rows' e4m3, bf16 and fp32 views, k_scale 1."""
+    fp8_ds_mla (sparse only): the rows' e4m3, fp32 and bf16 views (``rows_views``), k_scale 1."""
     sparse = bool(batch.topk)
     ds = G.check_ds_args(pool.kv_buffer[0], pool.kv_layout, sparse, 1.0, None)
     G.check_gluon_args(num_heads, pool.page_size, pool.device, sparse)
-    if ds:
-        views = [G.ds_views(pool.layer(i)) for i in range(pool.num_layers)]
-        scales = [1.0] * pool.num_layers
-    else:
-        layers, scales = _layers(pool)
-        views = [(kv, kv, kv) for kv in layers]
+    views = [R.rows_views(pool.layer(i), pool.kv_layout) for i in range(pool.num_layers)]  # e4m3, fp32, bf16
+    scales = [1.0] * pool.num_layers if ds else _layers(pool)[1]
     block_h, num_warps, cfg = G.block_config(num_heads)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
@@ -206,12 +202,12 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
-        (kv, rope, kv_scales), k_scale = views[layer], scales[layer]
+        (kv, kv32, kv16), k_scale = views[layer], scales[layer]
         tok = b_layer.token_indices if sparse else b.kv_lens  # this layer's [B, topk] slots
 
         def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-            kernel(q_nope, q_pe, kv, rope, kv_scales, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk,
+            kernel(q_nope, q_pe, kv, kv16, kv32, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk,
                    o_buf, lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0),
                    q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 

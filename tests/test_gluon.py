@@ -21,6 +21,7 @@ import torch
 
 from labkit import backends, kvlayout, kvpool, reference  # first: sets TRITON_INTERPRET on a CPU before triton loads
 from labkit.kernels import mla_decode_fp8_gluon as G
+from labkit.kernels import mla_decode_fp8_rows as R
 
 import triton  # noqa: E402
 
@@ -171,7 +172,7 @@ def test_ds_mla_rules_name_the_rule():
                         ((rows, "fp8_ds_mla", True, 0.5, None), "own scales")]:
         with pytest.raises(ValueError, match=match):
             G.check_ds_args(*args)
-    e4m3, bf16, fp32 = G.ds_views(rows)
+    e4m3, fp32, bf16 = R.rows_views(rows, "fp8_ds_mla")  # the views the launcher passes
     assert (e4m3.shape[-1], bf16.shape[-1], fp32.shape[-1]) == (656, 328, 164)
     pool = kvpool.random_pool(1, 64 * 4, 64, kv_layout="fp8_ds_mla")
     batch = kvpool.batch_for_pool(pool, [100, 64])
