@@ -196,14 +196,12 @@ LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits
 TOPK_IMPLS = ("torch", "triton")
 
 
-TRITON_TOPK_MAX_LEN = 8192  # H200 (scripts/gpu_topk.py, run 7c): 20.5 us against torch's 72 at 1 x 8K; 159 against 75 at 32K
-
-
 def default_topk_impl(device, max_len: int = 0) -> str:
-    """The top-k when none is named: the Triton kernel on CUDA up to ``TRITON_TOPK_MAX_LEN`` tokens of
-    context (past it, measured slower than ``torch.topk``); ``torch.topk`` on a CPU, where the kernel
-    would run in Triton's (slow) interpreter."""
-    return "triton" if torch.device(device).type == "cuda" and max_len <= TRITON_TOPK_MAX_LEN else "torch"
+    """The top-k when none is named: the Triton kernel on CUDA (on the H200 faster than ``torch.topk``
+    at every shape measured, 1-128 requests of 8K-128K: ``scripts/gpu_topk.py``, run 10);
+    ``torch.topk`` on a CPU, where the kernel would run in Triton's (slow) interpreter. ``max_len``
+    is kept for callers that pass it."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
