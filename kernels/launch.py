@@ -112,11 +112,11 @@ class Launcher:
         self.direct_ok = params is not None and all(p.is_constexpr and (p.name in meta or p.has_default) for p in tail)
         self.n_runtime = n
         self.consts = tuple(meta[p.name] if p.name in meta else p.default for p in tail) if self.direct_ok else ()
-        self.compiled, self.spec = None, None
+        self.compiled, self.first, self.spec = None, (), ()
 
     def __call__(self, *args) -> None:
         ck = self.compiled
-        if ck is not None and _no_hooks() and _spec(args) == self.spec:
+        if ck is not None and _no_hooks() and self._specializes_alike(args):
             g = self.grid
             stream = driver.active.get_current_stream(driver.active.get_current_device())
             ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args, *self.consts)
@@ -126,7 +126,19 @@ class Launcher:
             raise TypeError(f"{getattr(self.fn, '__name__', 'kernel')}: {len(args)} runtime arguments, the kernel takes {self.n_runtime}")
         ck = self.fn[self.grid](*args, **self.meta)
         if self.direct_ok and hasattr(ck, "packed_metadata"):  # a compiled kernel, not the interpreter
-            self.compiled, self.spec = ck, _spec(args)
+            self.compiled, self.first, self.spec = ck, args, tuple(map(_spec1, args))
+
+    def _specializes_alike(self, args) -> bool:
+        """Every argument specializes as the first call's did. An argument that is the first call's
+        object (a plan's own buffers, layer 0's views, small ints) is not looked at again: a plan's
+        launch then costs the checks of what changed (the caller's query, the new output)."""
+        first, spec = self.first, self.spec
+        if len(args) != len(first):
+            return False
+        for i, a in enumerate(args):
+            if a is not first[i] and _spec1(a) != spec[i]:
+                return False
+        return True
 
 
 def _no_hooks() -> bool:
@@ -136,11 +148,14 @@ def _no_hooks() -> bool:
     return h is None or not getattr(h, "calls", True)
 
 
-def _spec(args) -> tuple:
-    """What Triton specializes a launch on, per runtime argument (a superset: equal keys launch alike)."""
-    return tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                 else (a == 1, a & 15 == 0, -2**31 <= a < 2**31) if type(a) is int
-                 else type(a) for a in args)
+def _spec1(a):
+    """What Triton specializes a launch on, for one runtime argument (a superset: equal keys launch
+    alike): a tensor's dtype and 16-byte alignment; an int's being 1, a multiple of 16, 32-bit."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is int:
+        return a == 1, a & 15 == 0, -2**31 <= a < 2**31
+    return type(a)
 
 
 def merge_launch(batch: int, heads: int, num_splits: int, out_dtype, device) -> tuple[tuple, dict]:

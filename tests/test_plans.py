@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from labkit import backends, kvpool, triton_plans
-from labkit.kernels.launch import Launcher, SplitKV, _spec
+from labkit.kernels.launch import Launcher, SplitKV, _spec1
 import triton.language as tl  # noqa: E402  (after labkit: it sets TRITON_INTERPRET on a CPU)
 from triton.runtime.jit import JITFunction  # noqa: E402
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, mla_decode
@@ -123,11 +123,21 @@ def test_launcher_passes_constexprs_after_the_runtime_arguments():
     k = Launcher(JITFunction(_toy), (4,), BLOCK=64, num_warps=4)
     assert k.direct_ok and k.n_runtime == 4 and k.consts == (64, True) and k.grid == (4, 1, 1)
     x = torch.zeros(64)
+
+    def _spec(args):
+        return tuple(map(_spec1, args))
+
     assert _spec((x, x, 1, 0.5)) != _spec((x, x, 2, 0.5)) != _spec((x, x, 32, 0.5))
     assert _spec((x, x, 17, 0.5)) == _spec((x, x, 3, 0.5))
     assert _spec((x[1:], x, 3, 0.5)) != _spec((x, x, 3, 0.5)) == _spec((x[4:], x, 3, 0.5))  # 4 floats: 16 B
     assert _spec((x.half(), x, 3, 0.5)) != _spec((x, x, 3, 0.5))
     assert _spec((x, x, 2**31, 0.5)) != _spec((x, x, 2**31 - 16, 0.5))
+    # a direct launch after the first call: objects of the first call are not looked at again, others are
+    k.compiled, k.first, k.spec = object(), (x, x, 3, 0.5), _spec((x, x, 3, 0.5))
+    y = torch.zeros(64)
+    assert k._specializes_alike((x, y, 19, 0.25)) and k._specializes_alike((x[4:], x, 3, 1.0))
+    assert not k._specializes_alike((x, y[1:], 3, 0.5)) and not k._specializes_alike((x, x.half(), 3, 0.5))
+    assert not k._specializes_alike((x, x, 1, 0.5)) and not k._specializes_alike((x, x, 3))
 
 
 def test_launcher_steps_aside_for_launch_hooks(monkeypatch):
