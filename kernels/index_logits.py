@@ -115,16 +115,20 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         _check(name, t, torch.int32, 1)
     h_pad = max(16, triton.next_power_of_2(H))  # tl.dot needs N >= 16
-    q = torch.zeros(B, h_pad, D, dtype=torch.uint8, device=q_idx.device)  # zero bytes = +0.0 in e4m3
-    q[:, :H] = q_idx.view(torch.uint8)
-    w = torch.zeros(B, h_pad, dtype=torch.float32, device=q_idx.device)
-    w[:, :H] = weights
+    if h_pad == H:  # GLM-5's 32 heads: the query as given (no padding: two fewer launches, four in a graph)
+        q, w = q_idx.contiguous(), weights.contiguous()
+    else:
+        q = torch.zeros(B, h_pad, D, dtype=torch.uint8, device=q_idx.device)  # zero bytes = +0.0 in e4m3
+        q[:, :H] = q_idx.view(torch.uint8)
+        q = q.view(torch.float8_e4m3fn)
+        w = torch.zeros(B, h_pad, dtype=torch.float32, device=q_idx.device)
+        w[:, :H] = weights
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:
         return out
     grid = (triton.cdiv(max_len, block_t), B)
     _index_logits_kernel[grid](
-        q.view(torch.float8_e4m3fn), w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
+        q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
         k_idx.stride(0), k_scale.stride(0),
         PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, num_warps=num_warps,
     )

@@ -224,14 +224,18 @@ class RowsPlan:
     read), the query buffers q8 [B, H, 2, 576] e4m3 and qsc [B, H] fp32 (shared by the layers: launches
     on one stream run in order), the partials and the merge (``SplitKV``). A sparse call takes the
     layer's slots from ``batch.token_indices`` ([B, topk] int32, contiguous), trusted as given.
-    ``num_splits`` (None: the launcher's default) fixes the split count, as the launcher's argument.
+    ``num_splits`` (None: the launcher's default) fixes the split count, as the launcher's argument;
+    ``q_pre``: whether the query is quantized by a launch of its own (None: not at one request, where
+    the host's launches cost more than the kernel; else the config's default).
     """
 
     def __init__(self, pool: KVPool, batch: DecodeBatch, num_heads: int, sm_scale: float, q_dtype, precision: str,
-                 num_splits: int | None = None):
+                 num_splits: int | None = None, q_pre: bool | None = None):
         dev, layout, B = pool.device, pool.kv_layout, batch.batch_size
         R.check_heads(num_heads, q_dtype)
-        self.cfg = R.rows_config(layout, precision, num_heads, dev)
+        if q_pre is None and B == 1:  # one launch fewer; the kernel's time is the same (H200, run 10)
+            q_pre = False
+        self.cfg = R.rows_config(layout, precision, num_heads, dev, q_pre=q_pre)
         rows = [pool.rows(i) for i in range(pool.num_layers)]
         for r in rows:
             R.check_rows(r, layout, dev)
