@@ -9,7 +9,8 @@ products are FP8 x FP8 with fp32 accumulation. Positions map to tokens through t
 (t = kv_indices[kv_indptr[b] + p // page_size] * page_size + p % page_size), and tokens to index
 keys through 64-token index pages: page t // 64, row t % 64, the page being a 64 x D FP8 block
 followed by 64 fp32 scales. A program scores BLOCK_T positions of one request for all heads with
-one FP8 ``tl.dot`` (tokens as M, heads as N); positions past a request's length get -inf.
+one FP8 ``tl.dot`` (tokens as M, heads as N), TILES such tiles in a software-pipelined loop (the
+query read once per program); positions past a request's length get -inf.
 
 Bytes moved per context token: D + 4 read (132 for D = 128), 4 B of page table per page_size
 tokens, 4 written; q and weights once per program. FLOPs: 2 * H * D per token (+ 3 * H for the
@@ -42,29 +43,33 @@ def _index_logits_kernel(
     D: tl.constexpr,
     H_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    TILES: tl.constexpr,  # tiles of BLOCK_T positions per program
+    NUM_STAGES: tl.constexpr,  # their loads in flight (tl.range's software pipelining)
 ):
     pid_t, b = tl.program_id(0), tl.program_id(1)
     n = tl.load(lens_ptr + b)
-    pos = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
-    if pid_t * BLOCK_T < n:
-        start = tl.load(indptr_ptr + b)
+    start = tl.load(indptr_ptr + b)
+    d = tl.arange(0, D)
+    h = tl.arange(0, H_PAD)
+    q_t = tl.load(q_ptr + b * H_PAD * D + h[None, :] * D + d[:, None])  # [D, H_PAD] fp8, once per program
+    w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
+    t0 = pid_t * TILES
+    live = tl.minimum(tl.maximum(tl.cdiv(n, BLOCK_T) - t0, 0), TILES)  # tiles that hold context
+    for t in tl.range(0, live, num_stages=NUM_STAGES):
+        pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
         pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
         page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
         tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
         ip, row = tok // IPAGE, tok % IPAGE
-        d = tl.arange(0, D)
         k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + d[None, :])  # [BLOCK_T, D] fp8
         scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
-        h = tl.arange(0, H_PAD)
-        q_t = tl.load(q_ptr + b * H_PAD * D + h[None, :] * D + d[:, None])  # [D, H_PAD] fp8
-        w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
         s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
         logit = tl.where(pos < n, logit, float("-inf"))
         tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
-    else:  # a tile wholly past this request's context (a longer request sets the grid)
-        tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32),
-                 mask=pos < max_len)
+    for t in range(live, TILES):  # tiles wholly past this request's context (a longer one sets the grid)
+        pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pos < max_len)
 
 
 def _check(name, t, dtype, dims):
@@ -74,8 +79,20 @@ def _check(name, t, dtype, dims):
         raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
 
 
+def auto_tiles(batch: int, max_len: int, block_t: int, device) -> int:
+    """Tiles per program: as many as leave about four programs per SM (fewer programs, each loading
+    the query once and keeping NUM_STAGES tiles of keys in flight), at most 16; 1 on a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = batch * triton.cdiv(max_len, block_t) // (4 * sms)
+    return max(1, min(16, 1 << max(tiles, 1).bit_length() - 1))
+
+
 def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, page_size: int,
-                 max_len: int, *, block_t: int = 64, num_warps: int = 4) -> torch.Tensor:
+                 max_len: int, *, block_t: int = 64, tiles: int | None = None, num_stages: int = 3,
+                 num_warps: int = 4) -> torch.Tensor:
     """Indexer logits of a decode batch, read straight from the paged FP8 index cache.
 
     Parameters
@@ -88,7 +105,8 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 KV page ids; kv_lens : [B] int32, each >= 1
         (not checked on the device).
     page_size : KV page size (a power of two); max_len : max(kv_lens), known on the host.
-    block_t, num_warps : tuning (positions per program, a power of two >= 16; warps).
+    block_t, tiles, num_stages, num_warps : tuning (positions per tile, a power of two >= 16; tiles
+        per program, None: ``auto_tiles``; tiles in flight; warps).
 
     Returns
     -------
@@ -126,10 +144,14 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:
         return out
-    grid = (triton.cdiv(max_len, block_t), B)
+    tiles = auto_tiles(B, max_len, block_t, q_idx.device) if tiles is None else tiles
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= 256:
+        raise ValueError(f"tiles={tiles!r}: must be an integer in 1..256, or None")
+    grid = (triton.cdiv(max_len, block_t * tiles), B)
     _index_logits_kernel[grid](
         q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
         k_idx.stride(0), k_scale.stride(0),
-        PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, num_warps=num_warps,
+        PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, TILES=tiles, NUM_STAGES=num_stages,
+        num_warps=num_warps,
     )
     return out

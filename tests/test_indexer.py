@@ -125,6 +125,10 @@ def test_logits_torch_and_triton_vs_reference(page_size, poisoned):
         bound = _bound(ix, layer)
         _check_logits(ix.logits(layer, "torch"), ref, bound)
         _check_logits(ix.logits(layer, "triton"), ref, bound)
+    b = ix.batch  # several tiles per program: 3 x 32 positions, the 1-token request's programs mostly past it
+    got = index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
+                       b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=32, tiles=3)
+    _check_logits(got, ix.logits(0, "reference"), _bound(ix, 0))
 
 
 def test_logits_follow_token_ids_not_pages():
@@ -258,6 +262,9 @@ def test_bad_arguments():
     dense = config.ModelConfig("dense", 2, 16, 512, 64, 192, 256)
     with pytest.raises(ValueError, match="has no DSA indexer"):
         Indexer(dense, ix.pool, ix.batch)
+    with pytest.raises(ValueError, match="tiles=0: must be an integer in 1..256"):
+        index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), ix.batch.kv_indptr,
+                     ix.batch.kv_indices, ix.batch.kv_lens, 16, 40, tiles=0)
     with pytest.raises(ValueError, match="weights has dtype"):
         index_logits(ix.q_idx[0], ix.weights[0].double(), ix.cache.k_idx(0), ix.cache.k_scale(0),
                      ix.batch.kv_indptr, ix.batch.kv_indices, ix.batch.kv_lens, 16, 40)
