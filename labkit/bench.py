@@ -106,13 +106,14 @@ def _batch(shape: Shape, pool: KVPool, seed: int):
 
 def _measure(call, layers: int, device: str, one_request: bool = True) -> dict:
     """median/p20/p80 (do_bench), graph_us (CUDA graph over rotating layers) and host_us of ``call(layer)``
-    (50 calls a loop at one request, where the host is what it measures; 10 elsewhere)."""
+    (10 calls a loop; at one request on a GPU, where the host is what it measures, ``run_shape`` times
+    every provider's calls side by side instead)."""
     gpu = device == "cuda"
     t = timing.bench(lambda: call(0), warmup_ms=25, rep_ms=100 if gpu else 20, device=device, min_reps=3)
     g = (timing.graph_times(call, range(layers), device=device) if gpu else
          timing.graph_times(call, range(layers), replays=2, warmup=1, device=device))
-    host = timing.host_us(call, layers=layers, calls=(50 if one_request else 10) if gpu else 2, repeats=5 if gpu else 1,
-                          warmup=2 if gpu else 0, device=device)
+    host = float("nan") if one_request and gpu else timing.host_us(  # one request: side by side, run_shape
+        call, layers=layers, calls=10 if gpu else 2, repeats=5 if gpu else 1, warmup=2 if gpu else 0, device=device)
     return dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, timing_device=t.device,
                 graph_us=g.us, graph_method=g.method, host_us=host)
 
@@ -124,7 +125,7 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
     qn, qp = kvpool.make_queries(shape.batch, shape.heads, device=device, seed=seed + 2)
     b0 = batch.with_slots(batch.slots(0)) if shape.topk else batch
     ref = reference.mla_decode(qn, qp, pools["fp8"].dequant(0), b0, SM_SCALE, dtype=torch.float32)
-    rows = []
+    rows, calls = [], {}
     for label, name, which in provs:
         pool = pools[which]
         row = dict(shape=shape.name, label=label, backend=name, heads=shape.heads, batch=shape.batch, ctx=shape.ctx,
@@ -165,6 +166,12 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
                                      tokens_read=batch.tokens_read, kv_dtype=pool.kv_dtype, heads=shape.heads,
                                      batch=shape.batch, kv_layout=pool.kv_layout))
         rows.append(row)
+        calls[label] = call
+    if shape.batch == 1 and device == "cuda" and calls:  # host time: every provider's calls interleaved
+        host = timing.host_us_interleaved(calls, layers=layers, calls=50, rounds=7, device=device)
+        for row in rows:
+            if row["label"] in host:
+                row["host_us"] = host[row["label"]]
     return rows
 
 

@@ -156,6 +156,29 @@ def host_us(fn, layers: int = 1, calls: int = 50, repeats: int = 5, warmup: int 
     return quantile(per_call, 0.5)
 
 
+def host_us_interleaved(fns: dict, layers: int = 1, calls: int = 50, rounds: int = 7, warmup: int = 2,
+                        device=None) -> dict:
+    """``host_us`` of several callables side by side: each round times one loop of ``calls`` calls of
+    every callable in turn (rotating over ``layers``, a synchronize closing each loop); per callable
+    the median over ``rounds``. A host whose speed drifts (another process, clocks) then shifts all
+    of them alike, where one after another it would favour whichever ran in a quiet spell."""
+    if calls < 1 or rounds < 1 or layers < 1:
+        raise ValueError(f"calls={calls}, rounds={rounds}, layers={layers}: each must be >= 1")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    per_call = {name: [] for name in fns}
+    for r in range(warmup + rounds):
+        for name, fn in fns.items():
+            sync()
+            t0 = _clock()
+            for i in range(calls):
+                fn(i % layers)
+            sync()
+            if r >= warmup:
+                per_call[name].append((_clock() - t0) / calls * 1e6)
+    return {name: quantile(v, 0.5) for name, v in per_call.items()}
+
+
 def graph_times(fn_of_layer, layers, *, replays: int = 20, warmup: int = 2, device=None) -> Timing:
     """Median time of one call of ``fn_of_layer(layer)``, per call, over rotating layers.
 

@@ -119,3 +119,27 @@ def test_host_us_is_wall_time_per_call_over_rotating_layers(monkeypatch):
     assert us == pytest.approx(4000.0)  # timed loops cost 3, 4, 5 ms a call: median 4 ms
     with pytest.raises(ValueError, match="calls=0"):
         timing.host_us(fn, calls=0, device="cpu")
+
+
+def test_host_us_interleaved_shifts_every_callable_alike(monkeypatch):
+    """Rounds alternate the callables; a host that slows down from round to round (each round 1 ms a
+    call slower) moves both medians alike, so their difference is their own (a costs 1 ms more)."""
+    order = []
+
+    class Clock:
+        now = 0.0
+
+    def make(name, extra):
+        def fn(layer):
+            order.append((name, layer))
+            rnd = (len(order) - 1) // 6  # 3 calls of a, 3 of b per round
+            Clock.now += rnd + 1 + extra
+        return fn
+
+    monkeypatch.setattr(timing, "_clock", lambda: Clock.now / 1e3)
+    us = timing.host_us_interleaved({"a": make("a", 1), "b": make("b", 0)}, layers=2, calls=3, rounds=3, warmup=1,
+                                    device="cpu")
+    assert order[:6] == [("a", 0), ("a", 1), ("a", 0), ("b", 0), ("b", 1), ("b", 0)] and len(order) == 24
+    assert us["a"] == pytest.approx(4000.0) and us["b"] == pytest.approx(3000.0)  # rounds 1-3 cost 2-4 ms (+1 for a)
+    with pytest.raises(ValueError, match="rounds=0"):
+        timing.host_us_interleaved({"a": make("a", 0)}, rounds=0, device="cpu")
