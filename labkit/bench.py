@@ -118,6 +118,12 @@ def _measure(call, layers: int, device: str, one_request: bool = True) -> dict:
                 graph_us=g.us, graph_method=g.method, host_us=host)
 
 
+def _caller(plan, q_nope, q_pe):
+    """``call(layer)`` of one provider's plan (bound here: a lambda in run_shape's loop would see the
+    loop's last plan once the loop has moved on, as the side-by-side host timing calls them)."""
+    return lambda layer: plan.run(q_nope, q_pe, layer)
+
+
 def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progress=None, layers: int = 4) -> list[dict]:
     """One row per provider at ``shape``: checked against the oracle, then timed (or a ``note``)."""
     pools = _pools(shape, device, seed, layers)
@@ -145,7 +151,7 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
         path = "bf16_pool" if which == "bf16" else b.path  # FlashInfer on a BF16 pool: the bf16_pool path
         row.update(path=path, impl=b.impl, precision=b.precision)
         plan = b.plan(pool, batch, shape.heads, SM_SCALE, qn.dtype)
-        call = lambda layer: plan.run(qn, qp, layer)  # noqa: E731
+        call = _caller(plan, qn, qp)
         try:
             row["rel_err"] = reference.rel_err(call(0), ref)
         except Exception as e:  # noqa: BLE001 - one failing provider must not end the run
