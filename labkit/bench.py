@@ -106,13 +106,13 @@ def _batch(shape: Shape, pool: KVPool, seed: int):
 
 def _measure(call, layers: int, device: str, one_request: bool = True) -> dict:
     """median/p20/p80 (do_bench), graph_us (CUDA graph over rotating layers) and host_us of ``call(layer)``
-    (10 calls a loop; at one request on a GPU, where the host is what it measures, ``run_shape`` times
-    every provider's calls side by side instead)."""
+    (10 calls a loop; at one request, where the host is what it measures, ``run_shape`` times every
+    provider's calls side by side instead)."""
     gpu = device == "cuda"
     t = timing.bench(lambda: call(0), warmup_ms=25, rep_ms=100 if gpu else 20, device=device, min_reps=3)
     g = (timing.graph_times(call, range(layers), device=device) if gpu else
          timing.graph_times(call, range(layers), replays=2, warmup=1, device=device))
-    host = float("nan") if one_request and gpu else timing.host_us(  # one request: side by side, run_shape
+    host = float("nan") if one_request else timing.host_us(  # one request: side by side, in run_shape
         call, layers=layers, calls=10 if gpu else 2, repeats=5 if gpu else 1, warmup=2 if gpu else 0, device=device)
     return dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, timing_device=t.device,
                 graph_us=g.us, graph_method=g.method, host_us=host)
@@ -173,8 +173,10 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
                                      batch=shape.batch, kv_layout=pool.kv_layout))
         rows.append(row)
         calls[label] = call
-    if shape.batch == 1 and device == "cuda" and calls:  # host time: every provider's calls interleaved
-        host = timing.host_us_interleaved(calls, layers=layers, calls=50, rounds=7, device=device)
+    if shape.batch == 1 and calls:  # host time: every provider's calls interleaved
+        gpu = device == "cuda"
+        host = timing.host_us_interleaved(calls, layers=layers, calls=50 if gpu else 2, rounds=7 if gpu else 1,
+                                          warmup=2 if gpu else 0, device=device)
         for row in rows:
             if row["label"] in host:
                 row["host_us"] = host[row["label"]]

@@ -112,3 +112,32 @@ def test_host_table_sets_ours_beside_flashinfer_at_one_request():
     assert t.loc[16, "fp8_native.gluon"] == 40.0  # the batched shape is not in it
     assert t.loc[16, "x_flashinfer fp8_native.gluon"] == pytest.approx(40 / 60, abs=0.01)
     assert t.loc[16, "x_flashinfer bf16_pool.triton"] == pytest.approx(1.5)
+
+
+def test_side_by_side_host_time_calls_each_providers_own_plan(monkeypatch, tmp_path):
+    """At one request the host times of all providers are taken in one interleaved loop after the
+    last provider is planned: each label's calls must still run that provider's own plan."""
+    if not CPU:
+        pytest.skip("CUDA is available here")
+    real_run, last = backends.DecodePlan.run, []
+
+    def spy(self, *a, **k):
+        last.append(self)
+        return real_run(self, *a, **k)
+
+    ran = {}
+
+    def side_by_side(fns, **kw):
+        for name, fn in fns.items():
+            fn(0)
+            ran[name] = last[-1]
+        return {name: float(i + 1) for i, name in enumerate(fns)}
+
+    monkeypatch.setattr(backends.DecodePlan, "run", spy)
+    monkeypatch.setattr(bench.timing, "host_us_interleaved", side_by_side)
+    shape = bench.GRIDS["cpu"][1]
+    assert shape.batch == 1
+    provs = [p for p in bench.providers("cpu") if p[0] in ("full_pool_cast.torch", "fp8_native.torch")]
+    rows = bench.run_shape(shape, provs, "cpu", roofline.measure_ceilings("cpu", cache_dir=tmp_path))
+    assert ran["full_pool_cast.torch"] is not ran["fp8_native.torch"]
+    assert [r["host_us"] for r in rows] == [1.0, 2.0]
