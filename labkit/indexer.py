@@ -196,12 +196,17 @@ LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits
 TOPK_IMPLS = ("torch", "triton")
 
 
-def default_topk_impl(device, max_len: int = 0) -> str:
-    """The top-k when none is named: the Triton kernel on CUDA (on the H200 faster than ``torch.topk``
-    at every shape measured, 1-128 requests of 8K-128K: ``scripts/gpu_topk.py``, run 10);
-    ``torch.topk`` on a CPU, where the kernel would run in Triton's (slow) interpreter. ``max_len``
-    is kept for callers that pass it."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+TORCH_TOPK_MIN_TOKENS = 6_000_000  # batch x context past which torch.topk is faster (H200, run 10)
+
+
+def default_topk_impl(device, max_len: int = 0, batch_size: int = 1) -> str:
+    """The top-k when none is named: on CUDA the Triton kernel, faster than ``torch.topk`` on the H200
+    at 1-128 requests of 8K-128K up to 128 x 32K (4.2M logits: 80.5 us against 103.8), but not at
+    64 x 128K (8.4M: 159.8 against 150.6; ``scripts/gpu_topk.py``, run 10): ``torch.topk`` from
+    ``TORCH_TOPK_MIN_TOKENS`` logits a layer; on a CPU ``torch.topk``, where the kernel would run in
+    Triton's (slow) interpreter."""
+    on_gpu = torch.device(device).type == "cuda"
+    return "triton" if on_gpu and batch_size * max_len < TORCH_TOPK_MIN_TOKENS else "torch"
 
 
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
@@ -213,7 +218,7 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-    topk_impl = default_topk_impl(logits.device, batch.max_len) if topk_impl is None else topk_impl
+    topk_impl = default_topk_impl(logits.device, batch.max_len, batch.batch_size) if topk_impl is None else topk_impl
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
     if topk_impl == "triton":
