@@ -140,20 +140,10 @@ def host_us(fn, layers: int = 1, calls: int = 50, repeats: int = 5, warmup: int 
     At one request the GPU finishes each call long before the host issues the next, so this is
     the host's cost per call (Python, checks, allocations, launches), what a server pays per layer
     without CUDA graphs. ``warmup`` loops first (compilation, plans)."""
-    if calls < 1 or repeats < 1 or layers < 1:
+    if repeats < 1:
         raise ValueError(f"calls={calls}, repeats={repeats}, layers={layers}: each must be >= 1")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    per_call = []
-    for r in range(warmup + repeats):
-        sync()
-        t0 = _clock()
-        for i in range(calls):
-            fn(i % layers)
-        sync()
-        if r >= warmup:
-            per_call.append((_clock() - t0) / calls * 1e6)
-    return quantile(per_call, 0.5)
+    return host_us_interleaved({"fn": fn}, layers=layers, calls=calls, rounds=repeats, warmup=warmup,
+                               device=device)["fn"]
 
 
 def host_us_interleaved(fns: dict, layers: int = 1, calls: int = 50, rounds: int = 7, warmup: int = 2,
