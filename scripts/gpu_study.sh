@@ -4,7 +4,7 @@
 # the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh pytest-xdist (-> .whl/) and, for the FlashInfer peers,
@@ -59,6 +59,8 @@ for s in $stages; do
     rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
+    # the DSA indexer's logits and top-k beside torch.topk (run 10: about 60 s)
+    topk) stage topk "${T_topk:-150}" python3 scripts/gpu_topk.py --out "$run_dir/topk" ;;
   esac
 done
 if [ ${#failed[@]} -eq 0 ]; then
