@@ -95,6 +95,22 @@ def test_short_and_edge_lengths(poisoned_ints):
     for k in (topk, 1):
         slots = topk_select(x, kv_lens, indptr, indices, 1, k, splits=1, block=16, cand_block=16)
         _assert_topk(slots, x, lens, indptr, indices, 1, k)
+    empty = torch.zeros(0, dtype=torch.int32)
+    none = topk_select(x[:0], empty, torch.zeros(1, dtype=torch.int32), empty, 1, topk)
+    assert none.shape == (0, topk) and none.dtype == torch.int32
+
+
+def test_barrier_counts_are_made_once_and_grow():
+    """The split kernel's per-request arrival counts: zeroed when made, kept (the kernel leaves them
+    at zero), replaced by a larger zeroed buffer only when a batch needs more."""
+    dev = torch.device("cpu")
+    topk_module._BARRIERS.pop(dev, None)
+    a = topk_module._barriers(dev, 10)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and not a.any()
+    assert topk_module._barriers(dev, a.numel()) is a
+    b = topk_module._barriers(dev, a.numel() + 1)
+    assert b is not a and b.numel() > a.numel() and not b.any()
+    topk_module._BARRIERS.pop(dev, None)
 
 
 def test_candidates_past_one_tile(poisoned_ints):
