@@ -25,6 +25,11 @@ does not depend on timing). Program 0 waits for the others and finishes the cand
 programs of a request spin on each other, so all must be resident at once: B * splits is at most
 the SM count (``auto_splits``), and the interpreter (one program after another) takes splits = 1.
 
+First round from the logits kernel (``key_hist``). The first round's counts (how many keys of the
+row have each top byte) can come from ``index_logits(key_hist=)``, which has every logit in
+registers as it writes it: the round then needs no pass over the row and no barrier, and the next
+round's pass also counts each part's keys above the first digit (their offsets need them).
+
 Bytes per request of n > topk positions: 4 n read 16 / DB + 1 times (after the first, mostly from
 L2: the logits kernel has just written them), 8 B per candidate written and read up to three
 times, 4 B per slot written and 4 B of page table read per slot; with splits, 4 << DB B of
@@ -38,13 +43,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _ukey(ptr, mask):
-    """int32 keys of the float32 logits at ``ptr`` whose unsigned order (bit 31 highest) is the
-    float order; NaN and masked lanes read as -inf; -0.0 and +0.0 give the same key."""
-    x = tl.load(ptr, mask=mask, other=float("-inf"))
+def _key(x):
+    """int32 keys of float32 logits whose unsigned order (bit 31 highest) is the float order; NaN
+    counts as -inf; -0.0 and +0.0 give the same key."""
     x = tl.where(x == x, x, float("-inf"))
     b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) | -2147483648)  # positive: flip the sign bit; negative: flip every bit
+
+
+@triton.jit
+def _ukey(ptr, mask):
+    """``_key`` of the logits at ``ptr``; masked lanes read as -inf."""
+    return _key(tl.load(ptr, mask=mask, other=float("-inf")))
 
 
 @triton.jit
@@ -72,6 +82,27 @@ def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK:
         hist += tl.histogram((uk >> SHIFT) & ((1 << DB) - 1), 1 << DB, mask=ok)
         uk = uk_next
     return hist
+
+
+@triton.jit
+def _row_hist_above(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr):
+    """``_row_hist``, and how many keys of row[p0:p1] have their bits above the digit larger than
+    prefix's (the keys this part writes as slots because of the rounds before)."""
+    MASK: tl.constexpr = (1 << (32 - SHIFT - DB)) - 1
+    hist = tl.zeros([1 << DB], tl.int32)
+    above = tl.zeros([BLOCK], tl.int32)
+    want = (prefix >> (SHIFT + DB)) & MASK
+    i = p0 + tl.arange(0, BLOCK)
+    uk = _ukey(row + i, i < p1)
+    for s in range(p0, p1, BLOCK):
+        ok = s + tl.arange(0, BLOCK) < p1
+        nxt = s + BLOCK + tl.arange(0, BLOCK)
+        uk_next = _ukey(row + nxt, nxt < p1)
+        high = (uk >> (SHIFT + DB)) & MASK
+        above += (ok & (high > want)).to(tl.int32)
+        hist += tl.histogram((uk >> SHIFT) & ((1 << DB) - 1), 1 << DB, mask=ok & (high == want))
+        uk = uk_next
+    return hist, tl.sum(above, 0)
 
 
 @triton.jit
@@ -176,13 +207,16 @@ def _take(ckey, cslot, m, r, o, CB: tl.constexpr):
 
 
 @triton.jit
-def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, topk, chunk,
-                       PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
-                       SPLITS: tl.constexpr, SP: tl.constexpr):
+def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, key_hist,
+                       topk, chunk, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
+                       SPLITS: tl.constexpr, SP: tl.constexpr, KEY_HIST: tl.constexpr):
     """Program (b, p): positions [p * chunk, (p + 1) * chunk) of request b. With SPLITS > 1 the
     programs of a request meet at a barrier after each round (every program sums the round's
     histograms, hist [B, rounds, SPLITS, 2^DB] int32, so all take the same digit) and after the
-    compaction, where program 0 waits and finishes the request."""
+    compaction, where program 0 waits and finishes the request. KEY_HIST (DB = 8): round 0 reads
+    key_hist [B, 256], the row's top bytes counted by the index-logits kernel, with no pass and no
+    barrier; round 1 also counts each part's keys above round 0's digit (its offsets need them);
+    program 0 sets the request's counts back to zero once every part has read them."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     n = tl.load(lens + b)
@@ -195,6 +229,8 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
             for s in range(0, topk, BLOCK):
                 j = s + tl.arange(0, BLOCK)
                 tl.store(o + j, tl.where(j < n, _slot(pages, j, j < n, PAGE), -1), mask=j < topk)
+            if KEY_HIST:  # counted by the logits kernel, read by nobody: zero for the next call
+                tl.store(key_hist + b * 256 + tl.arange(0, 256), tl.zeros([256], tl.int32))
     elif p * chunk < n:
         row = logits + b * stride_l
         n_prog = tl.cdiv(n, chunk)  # programs with a part of this row; the others have left
@@ -205,19 +241,35 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
         prefix = n * 0  # the top bits of the k-th key found so far
         r = topk + n * 0  # its rank among the keys that share them
         tops = tl.zeros([SP], tl.int32)  # per program: its keys above the prefix so far
+        FIRST: tl.constexpr = 1 if KEY_HIST else 0  # rounds that need no pass and no barrier
         for rnd in tl.static_range(ROUNDS):
-            h = _row_hist(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK)
-            if SPLITS > 1:
-                hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
-                tl.store(hb + p * NB + bins, h)
-                _arrive(bar + b)
-                _wait(bar + b, (rnd + 1) * n_prog)
-                hq = tl.load(hb + q[:, None] * NB + bins[None, :], mask=q[:, None] < n_prog, other=0,
-                             cache_modifier=".cg")
+            if rnd < FIRST:
+                d, r, m = _digit(tl.load(key_hist + b * NB + bins), r, NB)
             else:
-                hq = h[None, :]
-            d, r, m = _digit(tl.sum(hq, 0), r, NB)
-            tops += tl.sum(tl.where(bins[None, :] > d, hq, 0), 1)
+                hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
+                if rnd == FIRST and FIRST > 0:
+                    h, above = _row_hist_above(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK)
+                    if SPLITS > 1:
+                        tl.store(hist + (b * ROUNDS * SPLITS + p) * NB, above)  # round 0's unused slot
+                else:
+                    h = _row_hist(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK)
+                if SPLITS > 1:
+                    tl.store(hb + p * NB + bins, h)
+                    _arrive(bar + b)
+                    _wait(bar + b, (rnd + 1 - FIRST) * n_prog)
+                    hq = tl.load(hb + q[:, None] * NB + bins[None, :], mask=q[:, None] < n_prog, other=0,
+                                 cache_modifier=".cg")
+                    if rnd == FIRST and FIRST > 0:
+                        tops += tl.load(hist + (b * ROUNDS * SPLITS + q) * NB, mask=q < n_prog, other=0,
+                                        cache_modifier=".cg")
+                else:
+                    hq = h[None, :]
+                    if rnd == FIRST and FIRST > 0:
+                        tops += above
+                if rnd == FIRST and FIRST > 0 and p == 0:  # every part has read the counts: zero them
+                    tl.store(key_hist + b * NB + bins, tl.zeros([NB], tl.int32))
+                d, r, m = _digit(tl.sum(hq, 0), r, NB)
+                tops += tl.sum(tl.where(bins[None, :] > d, hq, 0), 1)
             prefix = prefix | (d << (32 - DB * (rnd + 1)))
         cands = tl.sum(tl.where(bins[None, :] == d, hq, 0), 1)
         ck, cp = ckey + b * stride_c, cslot + b * stride_c
@@ -226,7 +278,7 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
         if SPLITS > 1:
             _arrive(bar + b)
             if p == 0:
-                _wait(bar + b, (ROUNDS + 1) * n_prog)
+                _wait(bar + b, (ROUNDS + 1 - FIRST) * n_prog)
                 _take(ck, cp, m, r, o + topk - r, CB)
                 tl.atomic_xchg(bar + b, 0)  # every program has arrived for the last time: reset for the next call
         else:
@@ -259,6 +311,15 @@ def _barriers(device, n: int) -> torch.Tensor:
     return t
 
 
+def check_key_hist(key_hist, batch_size: int, device) -> None:
+    """key_hist as the logits and top-k kernels share it: int32 [>= B, 256], contiguous, on ``device``."""
+    k = key_hist
+    if not isinstance(k, torch.Tensor) or k.dtype != torch.int32 or k.dim() != 2 or k.shape[1] != 256 \
+            or k.shape[0] < batch_size or not k.is_contiguous() or k.device != torch.device(device):
+        raise ValueError(f"key_hist must be a contiguous int32 [>= {batch_size}, 256] tensor on {device}, got "
+                         f"{getattr(k, 'dtype', type(k).__name__)} {tuple(getattr(k, 'shape', ()))}")
+
+
 def auto_splits(batch_size: int, max_len: int, device) -> int:
     """Programs per request: as many as fit beside the batch's other requests on the GPU's SMs
     (they wait for each other, so all must be resident at once), parts of >= 1024 positions, at
@@ -271,7 +332,8 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
 
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
-               block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8) -> torch.Tensor:
+               block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
+               key_hist: torch.Tensor | None = None) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -285,6 +347,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         most its SM count); block : logits per tile of the row passes; cand_block : candidates per
         tile (powers of two 16..32768); digit_bits : bits per radix round over the row (2, 4, 8);
         num_warps.
+    key_hist : None, or int32 [>= B, 256] on the logits' device: per request, how many of its logits'
+        keys have each top byte (``index_logits(..., key_hist=)`` counts them); the first round is
+        read from it instead of a pass over the row (digit_bits 8 only). Every row the call reads is
+        set back to zero.
 
     Returns
     -------
@@ -309,6 +375,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     _pow2("cand_block", cand_block, 16)
     if digit_bits not in (2, 4, 8):
         raise ValueError(f"digit_bits={digit_bits!r}: must be 2, 4 or 8")
+    if key_hist is not None:
+        check_key_hist(key_hist, B, logits.device)
+        if digit_bits != 8:
+            raise ValueError(f"digit_bits={digit_bits}: key_hist counts top bytes, so it needs digit_bits=8")
     splits = auto_splits(B, T, logits.device) if splits is None else splits
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
         raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
@@ -330,8 +400,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     bar = _barriers(dev, B) if splits > 1 else ckey
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 else 1, dtype=torch.int32,
                        device=dev)
+    fused = key_hist is not None  # the parts' counts above round 0's digit go to round 0's hist slots
     _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
-                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block,
-                                    DB=digit_bits, SPLITS=splits, SP=triton.next_power_of_2(splits),
-                                    num_warps=num_warps)
+                                    hist, bar, key_hist if fused else ckey, topk, chunk, PAGE=page_size, BLOCK=tile,
+                                    CB=cand_block, DB=digit_bits, SPLITS=splits, SP=triton.next_power_of_2(splits),
+                                    KEY_HIST=fused, num_warps=num_warps)
     return out

@@ -237,6 +237,37 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     return slots
 
 
+_KEY_HISTS: dict = {}  # device -> int32 [rows, 256] top-byte counts, zero between calls
+
+
+def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
+                     **tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton logits and Triton top-k with one pass over the logits fewer: the logits kernel counts
+    the top byte of every logit's radix key (``index_logits(key_hist=)``) and the top-k reads its first
+    round from those counts (``topk_select(key_hist=)``), which it zeroes again. Returns the logits
+    float32 [B, max_len] and the slots int32 [B, index_topk], as ``logits_triton`` and
+    ``select_tokens(topk_impl="triton")`` give them. The counts live in one buffer per device:
+    calls on a device must not overlap in time. ``tuning``: the logits kernel's keywords."""
+    from .kernels.index_logits import index_logits
+    from .kernels.topk_select import topk_select
+
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    dev, B = batch.kv_lens.device, batch.batch_size
+    kh = _KEY_HISTS.get(dev)
+    if kh is None or kh.shape[0] < B:
+        kh = _KEY_HISTS[dev] = torch.zeros(max(B, 64), 256, dtype=torch.int32, device=dev)
+    logits = index_logits(q_idx, weights, cache.k_idx(layer), cache.k_scale(layer), batch.kv_indptr, batch.kv_indices,
+                          batch.kv_lens, batch.page_size, batch.max_len, key_hist=kh, **tuning)
+    try:
+        slots = topk_select(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk,
+                            key_hist=kh)
+    except ValueError:
+        kh.zero_()  # the logits kernel has counted; nothing will read the counts now
+        raise
+    return logits, slots
+
+
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
     from .kernels.topk_select import topk_select
 

@@ -191,6 +191,8 @@ def test_bad_arguments():
         (dict(splits=2), "splits=2: more than 1 needs a GPU"),
         (dict(block=100), "block=100: must be a power of two in 16..32768"),
         (dict(digit_bits=3), "digit_bits=3: must be 2, 4 or 8"),
+        (dict(key_hist=torch.zeros(2, 256, dtype=torch.int32), digit_bits=4), "key_hist counts top bytes"),
+        (dict(key_hist=torch.zeros(1, 256, dtype=torch.int32)), r"key_hist must be a contiguous int32 \[>= 2, 256\]"),
         (dict(logits=x.t().contiguous().t()), "logits rows must be contiguous"),
     ]
     for change, msg in cases:
