@@ -29,7 +29,11 @@ SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 
 # the default cap (ACCURATE_SPLIT_LEN) beside no cap and a shorter one, dense and sparse (top-2048 of 32K,
 # page 1), and the fast precision on the same batch
 ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": dict(max_split_len=2048),
-                "fast": dict(precision="fast")}
+                "fast": dict(precision="fast"), "n64": dict(num_splits=64), "n128": dict(num_splits=128),
+                "fast_n128": dict(precision="fast", num_splits=128)}
+# one request: the default keeps >= 4 tiles a split (32 splits of 256 tokens at 8K: 32 of 132 SMs);
+# 64 or 128 splits of 1-2 tiles fill the GPU at the cost of a larger merge
+ONE_REQUEST_ONLY = ("n64", "n128", "fast_n128")
 ACC_SHAPES = [(16, 64, 8192, 0), (16, 32, 32768, 0), (32, 64, 8192, 0), (64, 64, 8192, 0), (128, 64, 8192, 0),
               (64, 1, 8192, 0), (128, 1, 8192, 0), (16, 64, 32768, 2048), (64, 64, 32768, 2048),
               (128, 128, 32768, 2048)]  # (heads, requests, context, topk)
@@ -63,7 +67,7 @@ def main():
         idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
         base = dict(precision="accurate", token_indices=batch.slots(0)) if a.accurate else {}
         for name, kw in (ACC_VARIANTS if a.accurate else VARIANTS).items():
-            if a.variants and name not in a.variants:
+            if (a.variants and name not in a.variants) or (B > 1 and name in ONE_REQUEST_ONLY):
                 continue
             kw = {**base, **kw}
             call = lambda layer, kw=kw: mla_decode_fp8_gluon(qn, qp, pool.layer(layer), *idx, k_scale=pool.scale(layer),  # noqa: E731
