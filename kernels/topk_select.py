@@ -68,9 +68,14 @@ def _digit(hist, r, NB: tl.constexpr):
 
 
 @triton.jit
-def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram of the DB-bit digit at SHIFT of row[p0:p1]'s keys whose bits above it equal prefix's."""
+def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
+              ABOVE: tl.constexpr = False):
+    """Histogram of the DB-bit digit at SHIFT of row[p0:p1]'s keys whose bits above it equal prefix's;
+    with ABOVE also how many keys have those bits larger than prefix's (the keys this part writes as
+    slots because of the rounds before), else 0."""
+    MASK: tl.constexpr = (1 << (32 - SHIFT - DB)) - 1
     hist = tl.zeros([1 << DB], tl.int32)
+    above = tl.zeros([BLOCK], tl.int32)
     i = p0 + tl.arange(0, BLOCK)
     uk = _ukey(row + i, i < p1)
     for s in range(p0, p1, BLOCK):
@@ -78,29 +83,12 @@ def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK:
         nxt = s + BLOCK + tl.arange(0, BLOCK)
         uk_next = _ukey(row + nxt, nxt < p1)  # the next tile loads while this one is counted
         if SHIFT + DB < 32:
-            ok = ok & (((uk ^ prefix) >> (SHIFT + DB)) == 0)
+            match = ((uk ^ prefix) >> (SHIFT + DB)) == 0
+            if ABOVE:
+                high = (uk >> (SHIFT + DB)) & MASK
+                above += (ok & ~match & (high > ((prefix >> (SHIFT + DB)) & MASK))).to(tl.int32)
+            ok = ok & match
         hist += tl.histogram((uk >> SHIFT) & ((1 << DB) - 1), 1 << DB, mask=ok)
-        uk = uk_next
-    return hist
-
-
-@triton.jit
-def _row_hist_above(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr):
-    """``_row_hist``, and how many keys of row[p0:p1] have their bits above the digit larger than
-    prefix's (the keys this part writes as slots because of the rounds before)."""
-    MASK: tl.constexpr = (1 << (32 - SHIFT - DB)) - 1
-    hist = tl.zeros([1 << DB], tl.int32)
-    above = tl.zeros([BLOCK], tl.int32)
-    want = (prefix >> (SHIFT + DB)) & MASK
-    i = p0 + tl.arange(0, BLOCK)
-    uk = _ukey(row + i, i < p1)
-    for s in range(p0, p1, BLOCK):
-        ok = s + tl.arange(0, BLOCK) < p1
-        nxt = s + BLOCK + tl.arange(0, BLOCK)
-        uk_next = _ukey(row + nxt, nxt < p1)
-        high = (uk >> (SHIFT + DB)) & MASK
-        above += (ok & (high > want)).to(tl.int32)
-        hist += tl.histogram((uk >> SHIFT) & ((1 << DB) - 1), 1 << DB, mask=ok & (high == want))
         uk = uk_next
     return hist, tl.sum(above, 0)
 
@@ -247,12 +235,10 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
                 d, r, m = _digit(tl.load(key_hist + b * NB + bins), r, NB)
             else:
                 hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
-                if rnd == FIRST and FIRST > 0:
-                    h, above = _row_hist_above(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK)
-                    if SPLITS > 1:
-                        tl.store(hist + (b * ROUNDS * SPLITS + p) * NB, above)  # round 0's unused slot
-                else:
-                    h = _row_hist(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK)
+                # round FIRST > 0 also counts the keys above round 0's digit
+                h, above = _row_hist(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK, rnd == FIRST and FIRST > 0)
+                if rnd == FIRST and FIRST > 0 and SPLITS > 1:
+                    tl.store(hist + (b * ROUNDS * SPLITS + p) * NB, above)  # round 0's unused slot
                 if SPLITS > 1:
                     tl.store(hb + p * NB + bins, h)
                     _arrive(bar + b)
