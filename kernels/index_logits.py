@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import _key, check_key_hist
+from .topk_select import _check, _key, check_key_hist
 
 INDEX_PAGE = 64  # tokens per index-key page
 
@@ -82,13 +82,6 @@ def _index_logits_kernel(
     for t in range(live, TILES):  # tiles wholly past this request's context (a longer one sets the grid)
         pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)
         tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pos < max_len)
-
-
-def _check(name, t, dtype, dims):
-    if not isinstance(t, torch.Tensor) or t.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
 
 
 def auto_tiles(batch: int, max_len: int, block_t: int, device) -> int:

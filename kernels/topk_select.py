@@ -287,14 +287,20 @@ def _pow2(name, v, low):
 _BARRIERS: dict = {}  # device -> int32 barrier counts, zero between calls (the kernel resets them)
 
 
-def _barriers(device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 counts on ``device``, made once and kept: each call leaves them at
-    zero, so a captured graph needs no memset (2.6 us a replay on the H200). Calls on one device
-    must not overlap in time (one stream), or they would share counts."""
-    t = _BARRIERS.get(device)
-    if t is None or t.numel() < n:
-        t = _BARRIERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+def kept_zeros(store: dict, device, rows: int, *width: int) -> torch.Tensor:
+    """At least ``rows`` zeroed int32 rows (of ``width``) on ``device``, made once and kept in
+    ``store``: the kernel that reads them leaves them at zero, so a captured graph needs no memset
+    (2.6 us a replay on the H200). Calls on one device must not overlap in time (one stream), or they
+    would share them."""
+    t = store.get(device)
+    if t is None or t.shape[0] < rows:
+        t = store[device] = torch.zeros(max(rows, 64), *width, dtype=torch.int32, device=device)
     return t
+
+
+def _barriers(device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 barrier counts on ``device`` (``kept_zeros``)."""
+    return kept_zeros(_BARRIERS, device, n)
 
 
 def check_key_hist(key_hist, batch_size: int, device) -> None:

@@ -249,14 +249,11 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
     ``select_tokens(topk_impl="triton")`` give them. The counts live in one buffer per device:
     calls on a device must not overlap in time. ``tuning``: the logits kernel's keywords."""
     from .kernels.index_logits import index_logits
-    from .kernels.topk_select import topk_select
+    from .kernels.topk_select import kept_zeros, topk_select
 
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-    dev, B = batch.kv_lens.device, batch.batch_size
-    kh = _KEY_HISTS.get(dev)
-    if kh is None or kh.shape[0] < B:
-        kh = _KEY_HISTS[dev] = torch.zeros(max(B, 64), 256, dtype=torch.int32, device=dev)
+    kh = kept_zeros(_KEY_HISTS, batch.kv_lens.device, batch.batch_size, 256)
     logits = index_logits(q_idx, weights, cache.k_idx(layer), cache.k_scale(layer), batch.kv_indptr, batch.kv_indices,
                           batch.kv_lens, batch.page_size, batch.max_len, key_hist=kh, **tuning)
     try:
@@ -269,7 +266,7 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 
 
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
-    from .kernels.topk_select import topk_select
+    from .kernels.topk_select import kept_zeros, topk_select
 
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "
