@@ -129,26 +129,28 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int, device,
-                       ctas_per_sm: float = 2.0, min_tiles: int = 4) -> int:
+                       ctas_per_sm: float = 2.0, min_tiles: int = 4, max_splits: int = 64) -> int:
     """The most splits with batch x head blocks x splits <= ctas_per_sm x SMs (rounding DOWN: a
     partial last wave of long programs costs a whole wave), each split keeping at least
-    ``min_tiles`` tiles. ``ctas_per_sm`` per kernel config is measured (docs/perf-notes.md).
+    ``min_tiles`` tiles, at most ``max_splits``. ``ctas_per_sm`` per kernel config is measured (docs/perf-notes.md).
     On the CPU: 1 (as few interpreter programs as possible)."""
     if device.type != "cuda":
         return 1
     want = math.floor(ctas_per_sm * num_sms(device) / max(1, batch * head_blocks))
     most = max(1, triton.cdiv(max_len, block_n * min_tiles))
-    return int(max(1, min(want, most, 64)))
+    return int(max(1, min(want, most, max_splits)))
 
 
 def resolve_splits(kernel: str, num_splits, batch: int, head_blocks: int, kv_lens, max_len, block_n: int,
-                   device, ctas_per_sm: float) -> int:
-    """``num_splits`` as given, else one wave of ``ctas_per_sm`` CTAs per SM (``default_num_splits``);
-    ``max_len`` (the longest kv_lens) spares a device -> host read."""
+                   device, ctas_per_sm: float, min_tiles: int = 4, max_splits: int = 64) -> int:
+    """``num_splits`` as given, else one wave of ``ctas_per_sm`` CTAs per SM (``default_num_splits``,
+    at least ``min_tiles`` tiles a split, at most ``max_splits``); ``max_len`` (the longest kv_lens)
+    spares a device -> host read."""
     if num_splits is None:
         if max_len is None:
             max_len = int(kv_lens.max()) if batch else 0
-        num_splits = default_num_splits(batch, head_blocks, max_len, block_n, device, ctas_per_sm=ctas_per_sm)
+        num_splits = default_num_splits(batch, head_blocks, max_len, block_n, device, ctas_per_sm=ctas_per_sm,
+                                        min_tiles=min_tiles, max_splits=max_splits)
     if num_splits < 1:
         raise ValueError(f"{kernel}: num_splits={num_splits} must be >= 1")
     return num_splits

@@ -610,9 +610,14 @@ def _scratch(size: int, alignment: int, stream):
 # Measured on the H200 (scripts/gpu_gluon.py -> data/kernels/h200_run4c_gluon.*, CUDA-graph medians):
 # two CTAs per SM with a 2-tile ring each was best at 16 heads 128 x 8K, 32 x 32K, 8 heads 128 x 16K
 # and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
-GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2)
-# 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM.
-GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1)
+# min_tiles / max_splits: the fewest tiles a split holds and the most splits a request gets when the
+# wave leaves room for more (default_num_splits).
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64)
+# 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM. A split may hold one
+# tile: at one request of 8K, 64 heads, 128 splits (one tile each) against 32 took accurate 36.0 us
+# against 42.7 and fast 19.3 against 22.9 (run 11a, gpu_gluon.py --accurate); at 128 heads (two head
+# blocks) 64 splits 42.2 against 43.3, and 128 (two waves) 83.6.
+GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128)
 
 
 def block_config(H: int) -> tuple[int, int, dict]:
@@ -745,7 +750,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if not sparse and max_len is None:
         max_len = int(kv_lens.max()) if B else 0
     num_splits = resolve_splits("mla_decode_fp8_gluon", num_splits, B, head_blocks, kv_lens,
-                                topk if sparse else max_len, BLOCK_N, dev, cfg["ctas_per_sm"])
+                                topk if sparse else max_len, BLOCK_N, dev, cfg["ctas_per_sm"], cfg["min_tiles"],
+                                cfg["max_splits"])
     num_splits = capped_splits(num_splits, topk if sparse else max_len, precision, max_split_len)
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
     if B == 0:

@@ -192,7 +192,8 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     block_h, num_warps, cfg = G.block_config(num_heads)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
-                       batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"])
+                       batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"],
+                       cfg["min_tiles"], cfg["max_splits"])
     s = G.capped_splits(s, batch.topk if sparse else batch.max_len, precision)
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
     num_rows = pool.num_pages * pool.page_size

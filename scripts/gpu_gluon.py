@@ -30,10 +30,11 @@ SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 
 # page 1), and the fast precision on the same batch
 ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": dict(max_split_len=2048),
                 "fast": dict(precision="fast"), "n64": dict(num_splits=64), "n128": dict(num_splits=128),
-                "fast_n128": dict(precision="fast", num_splits=128)}
-# one request: the default keeps >= 4 tiles a split (32 splits of 256 tokens at 8K: 32 of 132 SMs);
-# 64 or 128 splits of 1-2 tiles fill the GPU at the cost of a larger merge
-ONE_REQUEST_ONLY = ("n64", "n128", "fast_n128")
+                "fast_n128": dict(precision="fast", num_splits=128), "n32": dict(num_splits=32),
+                "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64)}
+# one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
+# min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
+ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128")
 ACC_SHAPES = [(16, 64, 8192, 0), (16, 32, 32768, 0), (32, 64, 8192, 0), (64, 64, 8192, 0), (128, 64, 8192, 0),
               (64, 1, 8192, 0), (128, 1, 8192, 0), (16, 64, 32768, 2048), (64, 64, 32768, 2048),
               (128, 128, 32768, 2048)]  # (heads, requests, context, topk)

@@ -148,6 +148,24 @@ def test_v_layout_is_the_wgmma_fragment_relabelled():
                 assert len(slots) == 8
 
 
+def test_one_request_splits_fill_one_wave(monkeypatch):
+    """On a 132-SM GPU the 64-head config (one CTA an SM) fills the wave with one-tile splits, never
+    more CTAs than SMs; up to 32 heads splits keep 4 tiles (run 11a: 64 heads 1 x 8K, 128 one-tile
+    splits beat 32 four-tile ones; 128 splits at 128 heads, two waves, doubled the time)."""
+    from labkit.kernels import mla_decode as M
+    monkeypatch.setattr(M, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for heads, want in [(64, 128), (128, 66), (16, 32), (32, 32)]:
+        block_h, _, cfg = G.block_config(heads)
+        hb = -(-heads // block_h)
+        got = M.resolve_splits("t", None, 1, hb, None, 8192, G.BLOCK_N, cuda, cfg["ctas_per_sm"], cfg["min_tiles"],
+                               cfg["max_splits"])
+        assert got == want, (heads, got)
+        assert hb * got <= cfg["ctas_per_sm"] * 132
+    _, _, wide = G.block_config(64)  # batched: the wave, not the tiles, sets the count
+    assert M.resolve_splits("t", None, 64, 1, None, 8192, G.BLOCK_N, cuda, wide["ctas_per_sm"], 1, 128) == 2
+
+
 def test_accurate_splits_hold_at_most_4096_tokens():
     """The accurate precision raises the split count so that no split sums more than
     ACCURATE_SPLIT_LEN tokens (the FP8 MMA accumulator's error grows with it); fast keeps the count."""
