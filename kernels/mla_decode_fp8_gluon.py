@@ -126,6 +126,11 @@ ACC_SPLIT8, ACC_PERM8 = (4, 4, 2, 2, 2, 2, 2), (1, 5, 2, 4, 6, 0, 3, 7)
 
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
+    # a 656-byte fp8_ds_mla row (labkit.kvlayout): e4m3 NoPE at byte 0, 4 fp32 scales at 512, bf16
+    # RoPE at 528; in units of each view: the row's length and the part's start
+    _DS_ROW = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"])
+    _DS_ROW_F32, _DS_SCALE_AT_F32 = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 4), gl.constexpr(512 // 4)
+    _DS_ROW_BF16, _DS_ROPE_AT_BF16 = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 2), gl.constexpr(528 // 2)
 
     @gluon.jit
     def _round_e4m3(x):
@@ -354,18 +359,20 @@ if HAS_GLUON:
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
-            async_copy.async_copy_global_to_shared(ring[0].index(slot), kv_ptr + t.to(gl.int64)[:, None] * 656
+            async_copy.async_copy_global_to_shared(ring[0].index(slot), kv_ptr + t.to(gl.int64)[:, None] * _DS_ROW
                                                    + c[None, :], mask=(t >= 0)[:, None])
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, rl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
-            async_copy.async_copy_global_to_shared(ds_ring[0].index(slot), rope_ptr + 264
-                                                   + t.to(gl.int64)[:, None] * 328 + c[None, :], mask=(t >= 0)[:, None])
+            async_copy.async_copy_global_to_shared(ds_ring[0].index(slot), rope_ptr + _DS_ROPE_AT_BF16
+                                                   + t.to(gl.int64)[:, None] * _DS_ROW_BF16 + c[None, :],
+                                                   mask=(t >= 0)[:, None])
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
-            async_copy.async_copy_global_to_shared(ds_ring[1].index(slot), scale_ptr + 128
-                                                   + t.to(gl.int64)[:, None] * 164 + c[None, :], mask=(t >= 0)[:, None])
+            async_copy.async_copy_global_to_shared(ds_ring[1].index(slot), scale_ptr + _DS_SCALE_AT_F32
+                                                   + t.to(gl.int64)[:, None] * _DS_ROW_F32 + c[None, :],
+                                                   mask=(t >= 0)[:, None])
         async_copy.commit_group()
 
     @gluon.jit
@@ -405,6 +412,8 @@ if HAS_GLUON:
                                                            instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
         r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
                           gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
+        # the token's largest group scale again, from shared memory: keeping _ds_rescale's copy live
+        # across the MMAs spills more (sm_90 SASS: stack 24 -> 72 bytes at 16 heads, 56 -> 72 at 64)
         tl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         tok_scale = gl.convert_layout(gl.max(ds_ring[1].index(slot).load(tl), axis=1), gl.SliceLayout(1, s_layout))
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s, r))

@@ -13,7 +13,9 @@ A backend refuses before any launch, with a ``ValueError``, what its rules do no
 
 Precision is a rule of each implementation: ``accurate`` backends stay within 3e-3 relative error
 of the float64 oracle (16-bit or split-FP8 arithmetic; every cast and BF16-pool path is accurate by
-nature), ``fast`` ones may quantize the query or the probabilities to FP8 (~1e-2 to 3e-2).
+nature), ``fast`` ones may quantize the query or the probabilities to FP8 (~1e-2 to 3e-2). Where a
+layout changes the arithmetic, ``layout_precision`` says so (``Backend.precision_on``): the rows
+kernel reads fp8_ds_mla with a bf16 query and bf16 dots, accurate even in its fast form.
 ``select(..., precision="accurate")`` takes only accurate ones; ``precision="fast"`` takes any.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Backend:
     kv_layouts: tuple = ("fp8_per_tensor", "bf16")  # labkit.kvlayout names
     dense_layouts: tuple | None = None  # for dense batches, if not kv_layouts
     precision: str = "accurate"  # "fast" or "accurate" (module docstring)
+    layout_precision: tuple = ()  # (kv_layout, precision) pairs where a layout's arithmetic differs
     dense: bool = True  # takes dense batches (every token of the request's pages)
     sparse: bool = False  # takes sparse batches (top-k token slots per request)
     min_capability: tuple | None = None  # CUDA (major, minor); None: no CUDA needed
@@ -55,6 +58,10 @@ class Backend:
     # planner(pool, batch, num_heads, sm_scale, q_dtype) -> run(q_nope, q_pe, layer, batch_with_slots),
     # the per-batch work done once; None: ``run`` calls ``fn`` directly
     planner: Callable | None = field(default=None, repr=False)
+
+    def precision_on(self, kv_layout: str) -> str:
+        """The precision on a pool of ``kv_layout``: ``precision`` unless ``layout_precision`` names it."""
+        return dict(self.layout_precision).get(kv_layout, self.precision)
 
     def check(self, q_nope: torch.Tensor, pool: KVPool, batch: DecodeBatch | None = None) -> None:
         """Raise ``ValueError`` naming the rule that this call breaks; nothing is launched."""
@@ -214,8 +221,8 @@ def select(path: str, q_nope: torch.Tensor, pool: KVPool, batch: DecodeBatch, pr
         b = REGISTRY.get(f"{path}.{impl}")
         if b is None or b.impl == "flashinfer":
             continue
-        if precision == "accurate" and b.precision != "accurate":
-            why.append(f"{b.name}: precision {b.precision!r}")
+        if precision == "accurate" and b.precision_on(pool.kv_layout) != "accurate":
+            why.append(f"{b.name}: precision {b.precision_on(pool.kv_layout)!r} on {pool.kv_layout}")
             continue
         try:
             b.check(q_nope, pool, batch)
@@ -237,7 +244,8 @@ def capability_table() -> list[dict]:
     rows = []
     for b in REGISTRY.values():
         rows.append(dict(backend=b.name, path=b.path, impl=b.impl, kernel=b.kernel,
-                         kv_layouts=",".join(b.kv_layouts), precision=b.precision,
+                         kv_layouts=",".join(b.kv_layouts),
+                         precision=" ".join([b.precision] + [f"({k}: {v})" for k, v in b.layout_precision]),
                          batches="/".join(k for k, on in (("dense", b.dense), ("sparse", b.sparse)) if on),
                          min_capability="-" if b.min_capability is None else "%d.%d" % b.min_capability,
                          cpu=b.runs_on_cpu, page_sizes=_span(b.page_sizes), max_heads=b.max_heads,

@@ -149,7 +149,7 @@ def run_shape(shape: Shape, provs, device: str, ceilings, seed: int = 0, progres
             rows.append({**row, "note": str(e)[:300]})
             continue
         path = "bf16_pool" if which == "bf16" else b.path  # FlashInfer on a BF16 pool: the bf16_pool path
-        row.update(path=path, impl=b.impl, precision=b.precision)
+        row.update(path=path, impl=b.impl, precision=b.precision_on(pool.kv_layout))
         plan = b.plan(pool, batch, shape.heads, SM_SCALE, qn.dtype)
         call = _caller(plan, qn, qp)
         try:

@@ -152,7 +152,7 @@ def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
     lab = on_pool(dl, path)
     first = pick_for_lab(path, impl or dl.impl, dl.p.device, dl.precision, lab=replace(lab, batch=dl.sparse))
     family = [b for b in map(backends.get, backends.names(path)) if b.impl.startswith(first.impl)]  # peers: no dot
-    family.sort(key=lambda b: b.precision != "accurate")
+    family.sort(key=lambda b: b.precision_on(lab.pool.kv_layout) != "accurate")
     refusal = None
     for b in [first] + family:
         try:

@@ -38,7 +38,7 @@ def time_backend(lab: Lab, backend, ceilings=None, **extra) -> dict:
                             pool_tokens=s["pool_tokens"], tokens_read=s["tokens_read"], kv_dtype=s["kv_dtype"],
                             heads=s["heads"], batch=s["batch_size"], kv_layout=s["kv_layout"]),
                    copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, fp8_tflops=ceilings.fp8_tflops,
-                   mma=mma_of(backend.name), precision=backend.precision)
+                   mma=mma_of(backend.name), precision=backend.precision_on(lab.pool.kv_layout))
     return row
 
 

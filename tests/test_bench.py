@@ -35,7 +35,7 @@ def test_cpu_bench_records_checked_rows(cpu_run, capsys):
 def test_rows_carry_precision_topk_layout_and_the_three_timings(cpu_run):
     _, df = cpu_run
     ours = df[df.label != "flashinfer_mla_fp8"]
-    assert (ours.precision == [backends.get(b).precision for b in ours.backend]).all()
+    assert (ours.precision == [backends.get(b).precision_on(k) for b, k in zip(ours.backend, ours.kv_layout)]).all()
     dense, sparse = ours[ours["shape"] != "sparse"], ours[ours["shape"] == "sparse"]
     assert (dense.topk == 0).all() and (sparse.topk == 64).all()
     assert set(sparse.kv_layout) == {"fp8_per_tensor", "fp8_ds_mla"} and set(dense.kv_layout) == {"fp8_per_tensor"}

@@ -74,6 +74,25 @@ def test_rows_are_kept_per_kv_layout_and_matched_by_it(tmp_path):
     assert order("bf16") in {("rows", "gluon"), ("gluon", "rows")}  # not measured: a row of another layout
 
 
+def test_accurate_follows_the_layouts_precision(tmp_path, monkeypatch):
+    """A fast backend that is accurate on one layout (the rows kernel on fp8_ds_mla: bf16 query and
+    dots) is an accurate answer there and is passed over, saying why, on the other layout."""
+    rec = dict(path="fp8_native", sparse=True, precision="accurate", heads=[1, 16], batch=[1, 8])
+    table = dict(arch="sm_90", source="test", rows=[
+        dict(rec, kv_layout=k, order=["triton_rows", "torch"], median_us=[1.0, 2.0])
+        for k in ("fp8_ds_mla", "fp8_per_tensor")])
+    monkeypatch.setattr(preferences, "load", lambda arch, table_dir=None: table)
+    monkeypatch.setattr(preferences, "arch_of", lambda device: "sm_90")
+    for layout, want in (("fp8_ds_mla", "triton_rows"), ("fp8_per_tensor", "torch")):
+        pool = kvpool.random_pool(1, 256, 1, kv_layout=layout)
+        batch = kvpool.sparse_batch_for_pool(pool, [40, 17], topk=8)
+        qn, _ = kvpool.make_queries(2, 4)
+        assert backends.select("fp8_native", qn, pool, batch, precision="accurate").impl == want, layout
+        assert backends.select("fp8_native", qn, pool, batch, precision="fast").impl == "triton_rows"
+    rows = {r["backend"]: r["precision"] for r in backends.capability_table()}
+    assert rows["fp8_native.triton_rows"] == "fast (fp8_ds_mla: accurate)" and rows["fp8_native.torch"] == "accurate"
+
+
 def test_plan_is_cached_and_runs_each_layer():
     qn, pool, batch = _case()
     b = backends.get("fp8_native.torch")
