@@ -22,21 +22,23 @@ def _gather_cast_kernel(
     stride_page,  # kv_buffer.stride(0), in elements
     PAGE_ELEMS: tl.constexpr,  # page_size * D
     ROWS: tl.constexpr,  # pages per program
-    BLOCK_C: tl.constexpr,  # values per page per program; divides PAGE_ELEMS
+    BLOCK_C: tl.constexpr,  # values per page per program; divides PAGE_ELEMS, or one block covers it
+    MASK_C: tl.constexpr,  # BLOCK_C > PAGE_ELEMS: a whole page per program, the columns past it masked
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output page
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] value within a page
     cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_C), BLOCK_C)
     rmask = rows < nnz
+    cmask = cols < PAGE_ELEMS if MASK_C else cols >= 0
     page = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)  # [ROWS]
     src = kv_ptr + (tl.maximum(page, 0) * stride_page)[:, None] + cols[None, :]
     dst = out_ptr + (rows.to(tl.int64) * PAGE_ELEMS)[:, None] + cols[None, :]
-    x = tl.load(src, mask=(page >= 0)[:, None], other=0.0)
-    tl.store(dst, x.to(tl.bfloat16), mask=rmask[:, None])
+    x = tl.load(src, mask=(page >= 0)[:, None] & cmask[None, :], other=0.0)
+    tl.store(dst, x.to(tl.bfloat16), mask=rmask[:, None] & cmask[None, :])
 
 
 def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int = 8192,
-                num_warps: int = 8) -> torch.Tensor:
+                num_warps: int = 8, block_c: int | None = None) -> torch.Tensor:
     """``kv_buffer[kv_indices].to(torch.bfloat16)`` in one pass.
 
     Parameters
@@ -46,7 +48,8 @@ def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int 
     kv_indices : torch.Tensor
         [nnz] ``torch.int32`` page ids, each in [0, num_pages) (not checked on the device) or -1
         (none: that output page is zeros, nothing is read).
-    tile, num_warps : tuning (values per program, a power of two; warps per program).
+    tile, num_warps, block_c : tuning (values per program, a power of two; warps per program;
+        values of a page per program, None: ``launch_config``'s choice).
 
     Returns
     -------
@@ -75,14 +78,23 @@ def gather_cast(kv_buffer: torch.Tensor, kv_indices: torch.Tensor, *, tile: int 
     out = torch.empty(nnz, page_size, D, dtype=torch.bfloat16, device=kv_buffer.device)
     if nnz == 0:
         return out
-    grid, meta = launch_config(nnz, page_size * D, tile, num_warps)
+    grid, meta = launch_config(nnz, page_size * D, tile, num_warps, block_c)
     _gather_cast_kernel[grid](kv_buffer, kv_indices.contiguous(), out, nnz, kv_buffer.stride(0), **meta)
     return out
 
 
-def launch_config(nnz: int, page_elems: int, tile: int = 8192, num_warps: int = 8) -> tuple[tuple, dict]:
-    """The kernel's grid and constexprs for ``nnz`` pages of ``page_elems`` values (page_size * D)."""
-    block_c = min(page_elems & -page_elems, tile)  # the largest power of two dividing a page: no column masks
+def launch_config(nnz: int, page_elems: int, tile: int = 8192, num_warps: int = 8,
+                  block_c: int | None = None) -> tuple[tuple, dict]:
+    """The kernel's grid and constexprs for ``nnz`` pages of ``page_elems`` values (page_size * D).
+    A page that fits the tile is read whole by one program (a 576-value row: one contiguous read,
+    the columns up to 1024 masked); a longer one in blocks of its largest power-of-two divisor
+    (no masks). ``block_c`` overrides: a power of two, dividing the page or above it."""
+    if block_c is None:
+        whole = triton.next_power_of_2(page_elems)
+        block_c = whole if whole <= tile else min(page_elems & -page_elems, tile)
+    if block_c < 1 or block_c & (block_c - 1) or (block_c < page_elems and page_elems % block_c):
+        raise ValueError(f"block_c={block_c}: must be a power of two that divides {page_elems} or exceeds it")
     rows = max(1, tile // block_c)
-    grid = (triton.cdiv(nnz, rows), page_elems // block_c)
-    return grid, dict(PAGE_ELEMS=page_elems, ROWS=rows, BLOCK_C=block_c, num_warps=num_warps)
+    grid = (triton.cdiv(nnz, rows), triton.cdiv(page_elems, block_c))
+    return grid, dict(PAGE_ELEMS=page_elems, ROWS=rows, BLOCK_C=block_c, MASK_C=block_c > page_elems,
+                      num_warps=num_warps)

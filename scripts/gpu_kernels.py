@@ -432,6 +432,21 @@ def cast_timings(results, only, ceil):
         for tile in (4096, 8192):
             rec(f"gather_cast t{tile}", lambda idx=idx, tile=tile: gather_cast(layer, idx, tile=tile), nb,
                 f"gather {ntok // 1024}K")
+    # DSA: the top-2048 rows of 64 requests (one-token pages of 576 values), each request's slots in
+    # its own context of the pool: whole rows a program (the default) against 64-value column blocks
+    del layer
+    for ctx in ((8192, 32768, 131072) if DEV == "cuda" else (512,)):
+        B, topk = (64, 2048) if DEV == "cuda" else (2, 64)
+        kv_rows = kvpool.random_pool(1, B * ctx, 1, device=DEV).layer(0)  # [B * ctx, 1, 576]
+        g = torch.Generator(device="cpu").manual_seed(ctx)
+        idx = (torch.stack([torch.randperm(ctx, generator=g)[:topk] + b * ctx for b in range(B)])
+               .flatten().to(torch.int32).to(DEV))
+        nb = idx.numel() * 576 * 3
+        for tile, nw, bc in ((8192, 8, 64), (8192, 8, None), (8192, 4, None), (16384, 8, None), (4096, 4, None)):
+            name = f"rows t{tile} w{nw} " + ("c64" if bc else "whole")
+            rec(name, lambda idx=idx, kv=kv_rows, tile=tile, nw=nw, bc=bc: gather_cast(kv, idx, tile=tile, num_warps=nw,
+                block_c=bc), nb, f"top2048 64x{ctx // 1024}K" if DEV == "cuda" else "rows smoke")
+        del kv_rows
 
 
 # ---------------------------------------------------------------------------------------------

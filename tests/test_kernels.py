@@ -17,6 +17,7 @@ from labkit import backends, kvpool, reference
 from labkit.kernels import mla_decode as md
 from labkit.kernels import mla_decode_fp8 as md8
 from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
+from labkit.kernels import gather_cast as gather_k
 from labkit.kernels.gather_cast import gather_cast
 from labkit.kernels.mla_decode import mla_decode
 from labkit.kernels.mla_decode_fp8 import mla_decode_fp8
@@ -85,6 +86,26 @@ def test_gather_cast_is_exact(page_size):
     pool, _, batch, _, _ = _case(page_size, _edge_lens(page_size) + [200], 1, page_size)
     out = gather_cast(pool.layer(0), batch.kv_indices)
     assert torch.equal(out, pool.layer(0)[batch.kv_indices.long()].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("block_c", [None, 64, 1024, 4096])
+def test_gather_cast_rows_whole_or_in_blocks(block_c):
+    """Sparse rows (one-token pages of 576 values): read whole (columns masked past 576) or in
+    64-value blocks, the same exact copy; -1 ids give zero rows."""
+    rows = (torch.randn(300, 1, 576) * 40).to(torch.float8_e4m3fn)
+    ids = torch.tensor([5, -1, 299, 0, 17, 17, 123, -1, 64, 1], dtype=torch.int32)
+    out = gather_cast(rows, ids, block_c=block_c)
+    want = rows[ids.long().clamp_min(0)].to(torch.bfloat16) * (ids >= 0)[:, None, None]
+    assert torch.equal(out, want)
+    grid, meta = gather_k.launch_config(ids.numel(), 576, block_c=block_c)
+    assert meta["MASK_C"] == (meta["BLOCK_C"] > 576) and grid[1] * meta["BLOCK_C"] >= 576
+    assert (grid[1], meta["BLOCK_C"]) == ((1, 1024) if block_c in (None, 1024) else (-(-576 // block_c), block_c))
+
+
+def test_gather_cast_block_c_rule():
+    for bad in (0, 48, 128, 512):  # not a power of two, or one that leaves a partial block
+        with pytest.raises(ValueError, match=f"block_c={bad}"):
+            gather_k.launch_config(4, 576, block_c=bad)
 
 
 def test_cast_argument_errors_name_the_argument():
