@@ -60,6 +60,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from labkit import backends, kvpool, reference, roofline, timing  # noqa: E402
+from labkit.kernels.ds_mla_to_bf16 import ds_mla_to_bf16  # noqa: E402
 from labkit.kernels.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
 from labkit.kernels.gather_cast import gather_cast  # noqa: E402
 from labkit.kernels.mla_decode import mla_decode  # noqa: E402
@@ -447,6 +448,13 @@ def cast_timings(results, only, ceil):
             rec(name, lambda idx=idx, kv=kv_rows, tile=tile, nw=nw, bc=bc: gather_cast(kv, idx, tile=tile, num_warps=nw,
                 block_c=bc), nb, f"top2048 64x{ctx // 1024}K" if DEV == "cuda" else "rows smoke")
         del kv_rows
+        # the same slots from a 656-byte fp8_ds_mla pool (read 656, write 1152 a row): rows x warps a program
+        ds_rows = kvpool.random_pool(1, B * ctx, 1, device=DEV, kv_layout="fp8_ds_mla").layer(0)  # [N, 1, 656] u8
+        nb = idx.numel() * (656 + 1152)
+        for r, nw in ((16, 4), (8, 4), (32, 4), (16, 8), (32, 8), (64, 8)):
+            rec(f"ds rows r{r} w{nw}", lambda idx=idx, kv=ds_rows, r=r, nw=nw: ds_mla_to_bf16(kv, idx, rows=r,
+                num_warps=nw), nb, f"top2048 64x{ctx // 1024}K" if DEV == "cuda" else "rows smoke")
+        del ds_rows
 
 
 # ---------------------------------------------------------------------------------------------
