@@ -29,6 +29,7 @@ def _ds_mla_to_bf16_kernel(
     PAGE: tl.constexpr,  # rows per page (GATHER: output row r is row r % PAGE of page idx[r // PAGE])
     ROWS: tl.constexpr,  # output rows per program
     GATHER: tl.constexpr,
+    SCALE4: tl.constexpr,  # load a row's 4 scales once and broadcast them (else one load per value)
 ):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] output row
     ok = r < n_out
@@ -40,17 +41,23 @@ def _ds_mla_to_bf16_kernel(
         src = r
     c = tl.arange(0, 512)
     x = tl.load(nope_ptr + src[:, None] * 656 + c[None, :], mask=ok[:, None], other=0.0)
-    sc = tl.load(scale_ptr + src[:, None] * 164 + 128 + c[None, :] // 128, mask=ok[:, None], other=0.0)
+    if SCALE4:
+        g = tl.arange(0, 4)
+        sc = tl.load(scale_ptr + src[:, None] * 164 + 128 + g[None, :], mask=ok[:, None], other=0.0)  # [ROWS, 4]
+        y = tl.reshape(tl.reshape(x.to(tl.float32), [ROWS, 4, 128]) * sc[:, :, None], [ROWS, 512])
+    else:
+        sc = tl.load(scale_ptr + src[:, None] * 164 + 128 + c[None, :] // 128, mask=ok[:, None], other=0.0)
+        y = x.to(tl.float32) * sc
     dst = out_ptr + r[:, None] * 576
     wmask = (r < n_out)[:, None]
-    tl.store(dst + c[None, :], (x.to(tl.float32) * sc).to(tl.bfloat16), mask=wmask)
+    tl.store(dst + c[None, :], y.to(tl.bfloat16), mask=wmask)
     d = tl.arange(0, 64)
     pe = tl.load(rope_ptr + src[:, None] * 328 + 264 + d[None, :], mask=ok[:, None], other=0.0)
     tl.store(dst + 512 + d[None, :], pe, mask=wmask)
 
 
 def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None, *, rows: int = 16,
-                   num_warps: int = 4) -> torch.Tensor:
+                   num_warps: int = 4, scale4: bool = False) -> torch.Tensor:
     """Dequantize ``fp8_ds_mla`` rows to BF16: all of them, or the pages ``kv_indices`` names.
 
     Parameters
@@ -61,8 +68,8 @@ def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None,
     kv_indices : torch.Tensor, optional
         [nnz] ``torch.int32`` page ids into ``packed``'s first dim, -1 = none (a zero page, nothing
         read); ids are not checked on the device.
-    rows, num_warps : tuning (output rows per program, a power of two; warps per program); not yet
-        measured on a GPU: 16 rows x 4 warps keeps 64 NoPE values and their scales per thread.
+    rows, num_warps, scale4 : tuning (output rows per program, a power of two; warps per program;
+        a row's 4 scales loaded once and broadcast, else one load per value).
 
     Returns
     -------
@@ -100,6 +107,6 @@ def ds_mla_to_bf16(packed: torch.Tensor, kv_indices: torch.Tensor | None = None,
         return out
     _ds_mla_to_bf16_kernel[(triton.cdiv(n_out, rows),)](
         packed.view(torch.float8_e4m3fn), packed.view(torch.float32), packed.view(torch.bfloat16), idx, out,
-        n_out, PAGE=page, ROWS=rows, GATHER=gather, num_warps=num_warps,
+        n_out, PAGE=page, ROWS=rows, GATHER=gather, SCALE4=scale4, num_warps=num_warps,
     )
     return out

@@ -451,9 +451,11 @@ def cast_timings(results, only, ceil):
         # the same slots from a 656-byte fp8_ds_mla pool (read 656, write 1152 a row): rows x warps a program
         ds_rows = kvpool.random_pool(1, B * ctx, 1, device=DEV, kv_layout="fp8_ds_mla").layer(0)  # [N, 1, 656] u8
         nb = idx.numel() * (656 + 1152)
-        for r, nw in ((16, 4), (8, 4), (32, 4), (16, 8), (32, 8), (64, 8)):
-            rec(f"ds rows r{r} w{nw}", lambda idx=idx, kv=ds_rows, r=r, nw=nw: ds_mla_to_bf16(kv, idx, rows=r,
-                num_warps=nw), nb, f"top2048 64x{ctx // 1024}K" if DEV == "cuda" else "rows smoke")
+        for r, nw, s4 in ((16, 4, False), (8, 4, False), (4, 4, False), (4, 2, False), (2, 2, False),
+                          (16, 4, True), (8, 4, True), (4, 4, True), (4, 2, True), (2, 2, True)):
+            rec(f"ds rows r{r} w{nw}" + (" s4" if s4 else ""), lambda idx=idx, kv=ds_rows, r=r, nw=nw, s4=s4:
+                ds_mla_to_bf16(kv, idx, rows=r, num_warps=nw, scale4=s4), nb,
+                f"top2048 64x{ctx // 1024}K" if DEV == "cuda" else "rows smoke")
         del ds_rows
 
 

@@ -164,17 +164,18 @@ def test_rules_refuse_what_a_backend_does_not_take():
 
 
 # ------------------------------------------------------------------ kernels ------------------------
-def test_ds_mla_to_bf16_is_exact_whole_and_gathered():
+@pytest.mark.parametrize("tuning", [{}, dict(rows=4, num_warps=2, scale4=True), dict(rows=2, scale4=False)])
+def test_ds_mla_to_bf16_is_exact_whole_and_gathered(tuning):
     pool = kvpool.random_pool(1, 256, 16, kv_layout="fp8_ds_mla", seed=4)
     layer = pool.layer(0)  # [16, 16, 656] uint8
     want = kvlayout.dequant_ds_mla(layer, torch.float32)  # e4m3 x power of two: exact in bf16
-    assert torch.equal(ds_mla_to_bf16(layer).float(), want)
+    assert torch.equal(ds_mla_to_bf16(layer, **tuning).float(), want)
     pages = torch.tensor([5, -1, 0, 15, 5], dtype=torch.int32)
-    got = ds_mla_to_bf16(layer, pages)
+    got = ds_mla_to_bf16(layer, pages, **tuning)
     assert got.shape == (5, 16, 576) and torch.equal(got[1], torch.zeros(16, 576, dtype=torch.bfloat16))
     assert torch.equal(got[[0, 2, 3, 4]].float(), want[[5, 0, 15, 5]])
     ids = torch.tensor([255, 3, -1, 17], dtype=torch.int32)
-    got = ds_mla_to_bf16(pool.rows(0)[:, None], ids)  # a sparse batch's rows as one-token pages
+    got = ds_mla_to_bf16(pool.rows(0)[:, None], ids, **tuning)  # a sparse batch's rows as one-token pages
     flat = want.flatten(0, 1)
     assert torch.equal(got[:, 0].float(), torch.stack([flat[255], flat[3], torch.zeros(576), flat[17]]))
     with pytest.raises(ValueError, match="packed"):
