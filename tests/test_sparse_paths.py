@@ -271,3 +271,19 @@ def test_sparse_paths_on_cuda_at_glm5_topk(layout):
     for name in BACKENDS[layout]:
         out = backends.get(name).decode(qn, qp, pool, 0, batch, SM)
         assert reference.rel_err(out, ref) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scale4", [True, False])
+def test_gpu_ds_mla_to_bf16_is_exact(scale4):
+    """The compiled kernel (both ways of applying the group scales) against the torch dequantization:
+    131,072 random rows of a 1M-token pool, -1 ids included, and the whole layer."""
+    pool = kvpool.random_pool(1, 1 << 20, 1, device="cuda", kv_layout="fp8_ds_mla", seed=5)
+    rows = pool.rows(0)
+    ids = torch.randint(-1, 1 << 20, (131072,), dtype=torch.int32, device="cuda")
+    got = ds_mla_to_bf16(rows[:, None], ids, scale4=scale4)[:, 0].float()
+    want = kvlayout.dequant_ds_mla(rows[ids.long().clamp_min(0)], torch.float32) * (ids >= 0)[:, None]
+    assert torch.equal(got, want)
+    whole = ds_mla_to_bf16(pool.layer(0), scale4=scale4).float()
+    assert torch.equal(whole, kvlayout.dequant_ds_mla(pool.layer(0), torch.float32))
