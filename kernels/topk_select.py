@@ -30,6 +30,12 @@ row have each top byte) can come from ``index_logits(key_hist=)``, which has eve
 registers as it writes it: the round then needs no pass over the row and no barrier, and the next
 round's pass also counts each part's keys above the first digit (their offsets need them).
 
+Counting (``count``). ``tl.histogram`` costs about 2.7 warp-instructions a key on sm_90 (8 ballots,
+then a popc per bin a lane owns; 1388 instructions a 4096-key tile of the first round). "atomic" adds
+each key to the part's counters in global memory (a RED a key: 436 a tile), "match" adds one
+count a distinct digit a warp (PTX match.any, the group's lowest lane adds its size: 519 a tile), so
+that the few hot bins of the top byte (the logits' exponents) do not serialize 32 adds a warp.
+
 Bytes per request of n > topk positions: 4 n read 16 / DB + 1 times (after the first, mostly from
 L2: the logits kernel has just written them), 8 B per candidate written and read up to three
 times, 4 B per slot written and 4 B of page table read per slot; with splits, 4 << DB B of
@@ -68,11 +74,44 @@ def _digit(hist, r, NB: tl.constexpr):
 
 
 @triton.jit
-def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
-              ABOVE: tl.constexpr = False):
+def _match_any(d):
+    """PTX match.any over the warp: per lane, the mask of lanes whose d equals its own (sm_70+)."""
+    return tl.inline_asm_elementwise("match.any.sync.b32 $0, $1, 0xffffffff;", "=r,r", [d], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _first_of(m, d):
+    """Whether this lane is the lowest of the lanes in mask m, and popc(m)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 lt; .reg .pred p; mov.u32 lt, %lanemask_lt; and.b32 lt, lt, $2; setp.eq.u32 p, lt, 0; "
+        "selp.u32 $0, 1, 0, p; popc.b32 $1, $2; }", "=r,=r,r,r", [m, d], dtype=(tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _count(hist, cnt, digit, ok, NB: tl.constexpr, COUNT: tl.constexpr):
+    """Add the digits of the ok lanes: into hist (COUNT 0, tl.histogram: a ballot per digit bit and a
+    popc per bin a lane owns), or into the int32 counters at cnt, one atomic a key (COUNT 1) or one a
+    distinct digit a warp (COUNT 2: match.any, then the lowest lane of each group adds its size)."""
+    if COUNT == 0:
+        hist += tl.histogram(digit, NB, mask=ok)
+    elif COUNT == 1:
+        tl.atomic_add(cnt + digit, 1, mask=ok, sem="relaxed")
+    else:
+        d = tl.where(ok, digit, -1)  # lanes out of the count only match each other
+        first, size = _first_of(_match_any(d), d)
+        tl.atomic_add(cnt + digit, size, mask=ok & (first != 0), sem="relaxed")
+    return hist
+
+
+@triton.jit
+def _row_hist(row, p0, p1, prefix, cnt, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
+              ABOVE: tl.constexpr = False, COUNT: tl.constexpr = 0):
     """Histogram of the DB-bit digit at SHIFT of row[p0:p1]'s keys whose bits above it equal prefix's;
     with ABOVE also how many keys have those bits larger than prefix's (the keys this part writes as
-    slots because of the rounds before), else 0."""
+    slots because of the rounds before), else 0. COUNT > 0 (``_count``): counted into this part's
+    zeroed counters at cnt, then read back."""
     MASK: tl.constexpr = (1 << (32 - SHIFT - DB)) - 1
     hist = tl.zeros([1 << DB], tl.int32)
     above = tl.zeros([BLOCK], tl.int32)
@@ -88,8 +127,11 @@ def _row_hist(row, p0, p1, prefix, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK:
                 high = (uk >> (SHIFT + DB)) & MASK
                 above += (ok & ~match & (high > ((prefix >> (SHIFT + DB)) & MASK))).to(tl.int32)
             ok = ok & match
-        hist += tl.histogram((uk >> SHIFT) & ((1 << DB) - 1), 1 << DB, mask=ok)
+        hist = _count(hist, cnt, (uk >> SHIFT) & ((1 << DB) - 1), ok, 1 << DB, COUNT)
         uk = uk_next
+    if COUNT > 0:
+        tl.debug_barrier()  # every thread's atomics are done (performed in L2): read the counters back
+        hist = tl.load(cnt + tl.arange(0, 1 << DB), cache_modifier=".cg")
     return hist, tl.sum(above, 0)
 
 
@@ -197,14 +239,15 @@ def _take(ckey, cslot, m, r, o, CB: tl.constexpr):
 @triton.jit
 def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, key_hist,
                        topk, chunk, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
-                       SPLITS: tl.constexpr, SP: tl.constexpr, KEY_HIST: tl.constexpr):
+                       SPLITS: tl.constexpr, SP: tl.constexpr, KEY_HIST: tl.constexpr, COUNT: tl.constexpr):
     """Program (b, p): positions [p * chunk, (p + 1) * chunk) of request b. With SPLITS > 1 the
     programs of a request meet at a barrier after each round (every program sums the round's
     histograms, hist [B, rounds, SPLITS, 2^DB] int32, so all take the same digit) and after the
     compaction, where program 0 waits and finishes the request. KEY_HIST (DB = 8): round 0 reads
     key_hist [B, 256], the row's top bytes counted by the index-logits kernel, with no pass and no
     barrier; round 1 also counts each part's keys above round 0's digit (its offsets need them);
-    program 0 sets the request's counts back to zero once every part has read them."""
+    program 0 sets the request's counts back to zero once every part has read them. COUNT > 0: the
+    row rounds count by atomics (``_count``) into this part's slices of hist, zeroed here first."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     n = tl.load(lens + b)
@@ -230,17 +273,23 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
         r = topk + n * 0  # its rank among the keys that share them
         tops = tl.zeros([SP], tl.int32)  # per program: its keys above the prefix so far
         FIRST: tl.constexpr = 1 if KEY_HIST else 0  # rounds that need no pass and no barrier
+        if COUNT > 0:  # this part's counters of every counted round start at zero
+            for zr in tl.static_range(FIRST, ROUNDS):
+                tl.store(hist + ((b * ROUNDS + zr) * SPLITS + p) * NB + bins, tl.zeros([NB], tl.int32))
+            tl.debug_barrier()
         for rnd in tl.static_range(ROUNDS):
             if rnd < FIRST:
                 d, r, m = _digit(tl.load(key_hist + b * NB + bins), r, NB)
             else:
                 hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
                 # round FIRST > 0 also counts the keys above round 0's digit
-                h, above = _row_hist(row, p0, p1, prefix, 32 - DB * (rnd + 1), DB, BLOCK, rnd == FIRST and FIRST > 0)
+                h, above = _row_hist(row, p0, p1, prefix, hb + p * NB, 32 - DB * (rnd + 1), DB, BLOCK,
+                                     rnd == FIRST and FIRST > 0, COUNT)
                 if rnd == FIRST and FIRST > 0 and SPLITS > 1:
                     tl.store(hist + (b * ROUNDS * SPLITS + p) * NB, above)  # round 0's unused slot
                 if SPLITS > 1:
-                    tl.store(hb + p * NB + bins, h)
+                    if COUNT == 0:  # else the atomics have put them there
+                        tl.store(hb + p * NB + bins, h)
                     _arrive(bar + b)
                     _wait(bar + b, (rnd + 1 - FIRST) * n_prog)
                     hq = tl.load(hb + q[:, None] * NB + bins[None, :], mask=q[:, None] < n_prog, other=0,
@@ -285,6 +334,7 @@ def _pow2(name, v, low):
 
 
 _BARRIERS: dict = {}  # device -> int32 barrier counts, zero between calls (the kernel resets them)
+COUNTS = {"histogram": 0, "atomic": 1, "match": 2}  # topk_select(count=): how the row rounds count
 
 
 def kept_zeros(store: dict, device, rows: int, *width: int) -> torch.Tensor:
@@ -325,7 +375,7 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
-               key_hist: torch.Tensor | None = None) -> torch.Tensor:
+               key_hist: torch.Tensor | None = None, count: str = "histogram") -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -343,6 +393,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         keys have each top byte (``index_logits(..., key_hist=)`` counts them); the first round is
         read from it instead of a pass over the row (digit_bits 8 only). Every row the call reads is
         set back to zero.
+    count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``), "atomic"
+        (one atomic add a key into the part's counters) or "match" (GPU only: one atomic a distinct
+        digit a warp, found by ``match.any``; tiles smaller than the CTA's threads count by "atomic").
 
     Returns
     -------
@@ -371,6 +424,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         check_key_hist(key_hist, B, logits.device)
         if digit_bits != 8:
             raise ValueError(f"digit_bits={digit_bits}: key_hist counts top bytes, so it needs digit_bits=8")
+    if count not in COUNTS:
+        raise ValueError(f"count={count!r}; allowed: {list(COUNTS)}")
+    if count == "match" and logits.device.type != "cuda":
+        raise ValueError("count='match' needs a GPU (PTX match.any); on a CPU use 'histogram' or 'atomic'")
     splits = auto_splits(B, T, logits.device) if splits is None else splits
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
         raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
@@ -390,11 +447,12 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     tile = min(block, triton.next_power_of_2(max(part, 16)))
     chunk = -(-part // tile) * tile
     bar = _barriers(dev, B) if splits > 1 else ckey
-    hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 else 1, dtype=torch.int32,
+    code = COUNTS[count] if count != "match" or tile >= 32 * num_warps else COUNTS["atomic"]  # match: no replicas
+    hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
     fused = key_hist is not None  # the parts' counts above round 0's digit go to round 0's hist slots
     _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
                                     hist, bar, key_hist if fused else ckey, topk, chunk, PAGE=page_size, BLOCK=tile,
                                     CB=cand_block, DB=digit_bits, SPLITS=splits, SP=triton.next_power_of_2(splits),
-                                    KEY_HIST=fused, num_warps=num_warps)
+                                    KEY_HIST=fused, COUNT=code, num_warps=num_warps)
     return out

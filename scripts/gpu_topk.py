@@ -10,9 +10,11 @@ kernel (labkit.indexer.logits_and_slots, column "fused", its slots checked like 
 A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_topk.py --out DIR [--sweep]
+        [--tunings atomic match]
     python3 scripts/gpu_topk.py --device cpu --small --out /tmp/topk   # tiny shapes, Triton's interpreter
 
---sweep also times top-k tunings (splits, warps, tiles) at every shape, each checked first.
+--sweep also times top-k tunings (splits, warps, tiles, how the rounds count) at every shape, each
+checked first.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "one": dict(splits=1), "one_w16": dict(splits=1, num_warps=16), "s2": dict(splits=2), "s8": dict(splits=8),
     "w4": dict(num_warps=4), "w16": dict(num_warps=16), "db4": dict(digit_bits=4), "db4_w16": dict(digit_bits=4, num_warps=16),
     "b1024": dict(block=1024), "b16k": dict(block=16384), "cb256": dict(cand_block=256),
+    # the row rounds counted by atomics (one a key), or one atomic a distinct digit a warp (match.any)
+    "atomic": dict(count="atomic"), "match": dict(count="match"),
 }
 
 
@@ -182,6 +186,7 @@ def main():
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--small", action="store_true", help="tiny shapes and top-128 (for the CPU interpreter)")
     ap.add_argument("--sweep", action="store_true", help="also time the top-k tunings")
+    ap.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), help="only these tunings (implies --sweep)")
     ap.add_argument("--layers", type=int, default=4, help="layers rotated through in each graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2, help="graph replays before the timed ones")
@@ -196,7 +201,7 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = dict(env=envinfo.env_info(a.device), command=" ".join(sys.argv), rows=[])
-    tunings = TUNINGS if a.sweep else {}
+    tunings = {k: TUNINGS[k] for k in a.tunings} if a.tunings else TUNINGS if a.sweep else {}
     for B, ctx in shapes:
         log(f"B={B} context={ctx}")
         for row in measure(cfg, B, ctx, a, tunings):

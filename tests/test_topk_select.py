@@ -73,15 +73,17 @@ def _rows(T, gen):
     return x
 
 
-@pytest.mark.parametrize("digit_bits,cand_block", [(8, 64), (4, 16), (2, 1024)])
-def test_topk_matches_sorting(digit_bits, cand_block, poisoned_ints):
-    """Every kind of row, each radix width; candidates in one tile (cand_block 1024) and in several (16)."""
+@pytest.mark.parametrize("digit_bits,cand_block,count", [(8, 64, "histogram"), (4, 16, "histogram"),
+                                                         (2, 1024, "histogram"), (8, 64, "atomic"), (4, 16, "atomic")])
+def test_topk_matches_sorting(digit_bits, cand_block, count, poisoned_ints):
+    """Every kind of row, each radix width; candidates in one tile (cand_block 1024) and in several
+    (16); the row rounds counted by tl.histogram and by atomics into counters the kernel zeroes."""
     T, topk, page_size = 700, 48, 16
     lens = [700, 650, 49, 400, 300, 690, 500, 600]
     x = _rows(T, torch.Generator().manual_seed(digit_bits))
     indptr, indices = _table(lens, page_size, seed=digit_bits)
     slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
-                        block=128, cand_block=cand_block, digit_bits=digit_bits)
+                        block=128, cand_block=cand_block, digit_bits=digit_bits, count=count)
     _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
 
 
@@ -191,6 +193,8 @@ def test_bad_arguments():
         (dict(splits=2), "splits=2: more than 1 needs a GPU"),
         (dict(block=100), "block=100: must be a power of two in 16..32768"),
         (dict(digit_bits=3), "digit_bits=3: must be 2, 4 or 8"),
+        (dict(count="sort"), r"count='sort'; allowed: \['histogram', 'atomic', 'match'\]"),
+        (dict(count="match"), "count='match' needs a GPU"),
         (dict(key_hist=torch.zeros(2, 256, dtype=torch.int32), digit_bits=4), "key_hist counts top bytes"),
         (dict(key_hist=torch.zeros(1, 256, dtype=torch.int32)), r"key_hist must be a contiguous int32 \[>= 2, 256\]"),
         (dict(logits=x.t().contiguous().t()), "logits rows must be contiguous"),
@@ -219,8 +223,10 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
     x[3] = (2 * x[3]).exp()  # heavy tail
     x[4] = x[4].round()  # ties
     x[5, ::3] = -math.inf
-    for splits in (1, 2, None):
-        got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, splits=splits)
+    for splits, count in ((1, "histogram"), (2, "histogram"), (None, "histogram"), (1, "atomic"), (None, "atomic"),
+                          (1, "match"), (None, "match")):
+        got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, splits=splits,
+                          count=count)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
     graph, static = torch.cuda.CUDAGraph(), {}
