@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROW_BYTES, D_OUT = 656, 576  # the kernel's offsets: scales at byte 512 (fp32 128), RoPE at byte 528 (bf16 264)
+from .mla_decode_fp8_rows import DS_ROPE_AT_BF16, DS_ROW, DS_ROW_BF16, DS_ROW_F32, DS_SCALE_AT_F32, LAYOUT_ROW
+
+ROW_BYTES, D_OUT = LAYOUT_ROW["fp8_ds_mla"], 576
 
 
 @triton.jit
@@ -40,19 +42,21 @@ def _ds_mla_to_bf16_kernel(
     else:
         src = r
     c = tl.arange(0, 512)
-    x = tl.load(nope_ptr + src[:, None] * 656 + c[None, :], mask=ok[:, None], other=0.0)
+    x = tl.load(nope_ptr + src[:, None] * DS_ROW + c[None, :], mask=ok[:, None], other=0.0)
     if SCALE4:
         g = tl.arange(0, 4)
-        sc = tl.load(scale_ptr + src[:, None] * 164 + 128 + g[None, :], mask=ok[:, None], other=0.0)  # [ROWS, 4]
+        sc = tl.load(scale_ptr + src[:, None] * DS_ROW_F32 + DS_SCALE_AT_F32 + g[None, :], mask=ok[:, None],
+                     other=0.0)  # [ROWS, 4]
         y = tl.reshape(tl.reshape(x.to(tl.float32), [ROWS, 4, 128]) * sc[:, :, None], [ROWS, 512])
     else:
-        sc = tl.load(scale_ptr + src[:, None] * 164 + 128 + c[None, :] // 128, mask=ok[:, None], other=0.0)
+        sc = tl.load(scale_ptr + src[:, None] * DS_ROW_F32 + DS_SCALE_AT_F32 + c[None, :] // 128, mask=ok[:, None],
+                     other=0.0)
         y = x.to(tl.float32) * sc
     dst = out_ptr + r[:, None] * 576
     wmask = (r < n_out)[:, None]
     tl.store(dst + c[None, :], y.to(tl.bfloat16), mask=wmask)
     d = tl.arange(0, 64)
-    pe = tl.load(rope_ptr + src[:, None] * 328 + 264 + d[None, :], mask=ok[:, None], other=0.0)
+    pe = tl.load(rope_ptr + src[:, None] * DS_ROW_BF16 + DS_ROPE_AT_BF16 + d[None, :], mask=ok[:, None], other=0.0)
     tl.store(dst + 512 + d[None, :], pe, mask=wmask)
 
 

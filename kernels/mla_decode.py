@@ -132,8 +132,8 @@ def default_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int,
                        ctas_per_sm: float = 2.0, min_tiles: int = 4, max_splits: int = 64) -> int:
     """The most splits with batch x head blocks x splits <= ctas_per_sm x SMs (rounding DOWN: a
     partial last wave of long programs costs a whole wave), each split keeping at least
-    ``min_tiles`` tiles, at most ``max_splits``. ``ctas_per_sm`` per kernel config is measured (docs/perf-notes.md).
-    On the CPU: 1 (as few interpreter programs as possible)."""
+    ``min_tiles`` tiles, at most ``max_splits``. ``ctas_per_sm`` per kernel config is measured
+    (docs/perf-notes.md). On the CPU: 1 (as few interpreter programs as possible)."""
     if device.type != "cuda":
         return 1
     want = math.floor(ctas_per_sm * num_sms(device) / max(1, batch * head_blocks))

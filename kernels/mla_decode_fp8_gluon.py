@@ -55,7 +55,8 @@ import torch
 import triton
 
 from .mla_decode import LOG2E, check_decode_args, decode_buffers, resolve_splits
-from .mla_decode_fp8_rows import LAYOUT_ROW, rows_views
+from .mla_decode_fp8_rows import (DS_ROPE_AT_BF16, DS_ROW, DS_ROW_BF16, DS_ROW_F32, DS_SCALE_AT_F32, LAYOUT_ROW,
+                                   rows_views)
 from .mla_merge import mla_merge
 
 try:  # Gluon: Triton >= 3.5
@@ -126,11 +127,6 @@ ACC_SPLIT8, ACC_PERM8 = (4, 4, 2, 2, 2, 2, 2), (1, 5, 2, 4, 6, 0, 3, 7)
 
 if HAS_GLUON:
     _P_SCALE = gl.constexpr(P_SCALE)
-    # a 656-byte fp8_ds_mla row (labkit.kvlayout): e4m3 NoPE at byte 0, 4 fp32 scales at 512, bf16
-    # RoPE at 528; in units of each view: the row's length and the part's start
-    _DS_ROW = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"])
-    _DS_ROW_F32, _DS_SCALE_AT_F32 = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 4), gl.constexpr(512 // 4)
-    _DS_ROW_BF16, _DS_ROPE_AT_BF16 = gl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 2), gl.constexpr(528 // 2)
 
     @gluon.jit
     def _round_e4m3(x):
@@ -359,19 +355,19 @@ if HAS_GLUON:
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
-            async_copy.async_copy_global_to_shared(ring[0].index(slot), kv_ptr + t.to(gl.int64)[:, None] * _DS_ROW
+            async_copy.async_copy_global_to_shared(ring[0].index(slot), kv_ptr + t.to(gl.int64)[:, None] * DS_ROW
                                                    + c[None, :], mask=(t >= 0)[:, None])
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, rl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
-            async_copy.async_copy_global_to_shared(ds_ring[0].index(slot), rope_ptr + _DS_ROPE_AT_BF16
-                                                   + t.to(gl.int64)[:, None] * _DS_ROW_BF16 + c[None, :],
+            async_copy.async_copy_global_to_shared(ds_ring[0].index(slot), rope_ptr + DS_ROPE_AT_BF16
+                                                   + t.to(gl.int64)[:, None] * DS_ROW_BF16 + c[None, :],
                                                    mask=(t >= 0)[:, None])
             n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
             t = gl.load(tok_ptr + n, mask=n < end, other=-1)
             c = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
-            async_copy.async_copy_global_to_shared(ds_ring[1].index(slot), scale_ptr + _DS_SCALE_AT_F32
-                                                   + t.to(gl.int64)[:, None] * _DS_ROW_F32 + c[None, :],
+            async_copy.async_copy_global_to_shared(ds_ring[1].index(slot), scale_ptr + DS_SCALE_AT_F32
+                                                   + t.to(gl.int64)[:, None] * DS_ROW_F32 + c[None, :],
                                                    mask=(t >= 0)[:, None])
         async_copy.commit_group()
 

@@ -55,6 +55,13 @@ from .mla_decode_fp8 import _widen
 from .mla_merge import mla_merge, round_to_bf16
 
 LAYOUT_ROW = {"fp8_per_tensor": 576, "fp8_ds_mla": 656}  # bytes per token row
+# A 656-byte fp8_ds_mla row (labkit.kvlayout writes it): 512 e4m3 NoPE at byte 0, 4 fp32 group scales
+# at DS_SCALE_AT, 64 bf16 RoPE at DS_ROPE_AT. The kernels read a row through three views of the
+# same bytes; the constexprs give the row's length and each part's start in those views' elements.
+DS_SCALE_AT, DS_ROPE_AT = 512, 528
+DS_ROW = tl.constexpr(LAYOUT_ROW["fp8_ds_mla"])  # e4m3 view
+DS_ROW_F32, DS_SCALE_AT_F32 = tl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 4), tl.constexpr(DS_SCALE_AT // 4)
+DS_ROW_BF16, DS_ROPE_AT_BF16 = tl.constexpr(LAYOUT_ROW["fp8_ds_mla"] // 2), tl.constexpr(DS_ROPE_AT // 2)
 PRECISIONS = ("fast", "accurate")
 PV_MODES = {"fp8": 0, "f16": 1}
 DS_SCALES = ("widen", "groups")  # fp8_ds_mla: scales into K/V as widened to bf16, or per-group scores and p
@@ -267,7 +274,7 @@ def _mla_decode_fp8_rows_kernel(
     q_pe_ptr,  # *[B, H, 64]
     kv8_ptr,  # *fp8e4nv [pool_tokens, ROW] the rows as bytes
     kvs_ptr,  # *fp32 [pool_tokens, ROW / 4] the same rows (ds_mla group scales at word 128)
-    kvr_ptr,  # *bf16 [pool_tokens, ROW / 2] the same rows (ds_mla RoPE at element 264)
+    kvr_ptr,  # *bf16 [pool_tokens, ROW / 2] the same rows (ds_mla RoPE at element DS_ROPE_AT_BF16)
     kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr,  # dense: *i32 [B + 1], [nnz], [B]
     tok_ptr,  # sparse: *i32 [B, topk] rows, -1 masked
     q8_ptr,  # Q_PRE: *fp8e4nv [B, H, 2, 576] the query's hi | lo terms
@@ -352,12 +359,13 @@ def _mla_decode_fp8_rows_kernel(
         k2 = tl.load(base + 256, mask=nmask[:, None], other=0.0)
         k3 = tl.load(base + 384, mask=nmask[:, None], other=0.0)
         if DS_W:  # one chain of bf16 dots over the scaled tiles; the same tiles serve P.V below
-            sw = kvs_ptr + rows * (ROW // 4) + 128
+            sw = kvs_ptr + rows * (ROW // 4) + DS_SCALE_AT_F32
             w0 = _widen_scaled(k0, tl.load(sw, mask=nmask, other=0.0), EMU)
             w1 = _widen_scaled(k1, tl.load(sw + 1, mask=nmask, other=0.0), EMU)
             w2 = _widen_scaled(k2, tl.load(sw + 2, mask=nmask, other=0.0), EMU)
             w3 = _widen_scaled(k3, tl.load(sw + 3, mask=nmask, other=0.0), EMU)
-            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
+            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + DS_ROPE_AT_BF16 + d64[None, :], mask=nmask[:, None],
+                         other=0.0)
             if EMU:
                 kr = kr.to(tl.float32)
             s = _qk16(qph, kr, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32))
@@ -366,12 +374,13 @@ def _mla_decode_fp8_rows_kernel(
             s = _qk16(qh2, w2, s)
             s = _qk16(qh3, w3, s)
         elif DS:
-            sw = kvs_ptr + rows * (ROW // 4) + 128
+            sw = kvs_ptr + rows * (ROW // 4) + DS_SCALE_AT_F32
             sc0 = tl.load(sw, mask=nmask, other=0.0)  # [BLOCK_N] fp32, power-of-two group scales
             sc1 = tl.load(sw + 1, mask=nmask, other=0.0)
             sc2 = tl.load(sw + 2, mask=nmask, other=0.0)
             sc3 = tl.load(sw + 3, mask=nmask, other=0.0)
-            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + 264 + d64[None, :], mask=nmask[:, None], other=0.0)
+            kr = tl.load(kvr_ptr + rows[:, None] * (ROW // 2) + DS_ROPE_AT_BF16 + d64[None, :], mask=nmask[:, None],
+                         other=0.0)
             if EMU:
                 kr = kr.to(tl.float32)
             # sum_g sc_g * d_g chained: ((d0 * sc0/sc1 + d1) * sc1/sc2 + d2) * sc2/sc3 + d3) * sc3; the

@@ -209,6 +209,11 @@ def default_topk_impl(device, max_len: int = 0, batch_size: int = 1) -> str:
     return "triton" if on_gpu and batch_size * max_len < TORCH_TOPK_MIN_TOKENS else "torch"
 
 
+def _check_index_topk(index_topk) -> None:
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+
+
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
                   topk_impl: str | None = None) -> torch.Tensor:
     """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
@@ -216,8 +221,7 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     tokens in context order, then -1. ``topk_impl``: "torch" (``torch.topk``), "triton"
     (labkit.kernels.topk_select; float64 logits are rounded to float32 first) or None
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
-    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
-        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    _check_index_topk(index_topk)
     topk_impl = default_topk_impl(logits.device, batch.max_len, batch.batch_size) if topk_impl is None else topk_impl
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
@@ -251,8 +255,7 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
     from .kernels.index_logits import index_logits
     from .kernels.topk_select import kept_zeros, topk_select
 
-    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
-        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    _check_index_topk(index_topk)
     kh = kept_zeros(_KEY_HISTS, batch.kv_lens.device, batch.batch_size, 256)
     logits = index_logits(q_idx, weights, cache.k_idx(layer), cache.k_scale(layer), batch.kv_indptr, batch.kv_indices,
                           batch.kv_lens, batch.page_size, batch.max_len, key_hist=kh, **tuning)
@@ -266,7 +269,7 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 
 
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
-    from .kernels.topk_select import kept_zeros, topk_select
+    from .kernels.topk_select import topk_select
 
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "

@@ -6,7 +6,8 @@ every request against torch.topk's values (the logits at the slots, sorted, equa
 values: the same set up to ties), then CUDA-graph medians over rotating layers
 (labkit.timing.graph_times) of: the logits kernel, bare torch.topk, select_tokens with each top-k,
 and logits + top-k captured together, also with the top-k's first round counted by the logits
-kernel (labkit.indexer.logits_and_slots, column "fused", its slots checked like the others). Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
+kernel (labkit.indexer.logits_and_slots, column "fused", its slots checked like the others).
+Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
 A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_topk.py --out DIR [--sweep]
