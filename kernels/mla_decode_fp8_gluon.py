@@ -339,6 +339,101 @@ if HAS_GLUON:
         return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit
+    def _wait_tile(ring, tile, NUM_STAGES: gl.constexpr, SPARSE: gl.constexpr, PENDING: gl.constexpr):
+        """Until tile ``tile`` is in its ring slot: its TMA barrier; or (sparse) at most PENDING of the
+        later cp.async groups still pending, then everyone's copies visible to the MMA."""
+        if SPARSE:
+            async_copy.wait_group(PENDING)
+            fence_async_shared()
+            _cta_barrier()
+        else:
+            mbarrier.wait(ring[2].index(tile % NUM_STAGES), (tile // NUM_STAGES) & 1)
+
+    @gluon.jit
+    def _issue_scores(ring, qn_smem, qp_smem, tile, NUM_STAGES: gl.constexpr, BLOCK_H: gl.constexpr,
+                      NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """s^T [64, BLOCK_H] = K @ q^T of tile ``tile``, issued (2 wgmma groups; SPLIT: 4)."""
+        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
+        ckv = ring[0].index(tile % NUM_STAGES)
+        kpe = ring[1].index(tile % NUM_STAGES)
+        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(kpe, qp_smem.index(0).permute((1, 0)), s, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(kpe, qp_smem.index(1).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED: gl.constexpr, SPARSE: gl.constexpr):
+        """Scores of tile ``tile`` -> (m_new, l_i, p, alpha): the running max and per-row sums updated,
+        p = exp2(s - m_new) (at most 1), alpha the old terms' rescale."""
+        s = s * qk_scale
+        if MASKED:  # rows past the split's end (zeros from the tail descriptor), sparse -1 slots: -inf
+            tok = split[2] + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout))
+            if SPARSE:
+                valid = gl.load(split[0] + tok, mask=tok < split[3], other=-1) >= 0
+            else:
+                valid = tok < split[3]
+            s = gl.where(valid[:, None], s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may have no valid slot yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        return m_new, l_i * alpha[None, :] + p, p, alpha
+
+    @gluon.jit
+    def _pv_issue(ring, p_smem, acc, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """acc += V^T @ p^T of tile ``tile`` (V from its ring slot into registers, p from its buffer),
+        issued (1 wgmma group; SPLIT: 2)."""
+        acc_layout: gl.constexpr = acc.type.layout
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        NQ: gl.constexpr = 2 if SPLIT else 1
+        vt = _relabel_v(ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS)), a_layout, NUM_WARPS)
+        buf = (tile % 2) * NQ
+        acc = warpgroup_mma(vt, p_smem.index(buf).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(buf + 1).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _pipe_step(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
+                   HAS_PREV: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr,
+                   BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
+        """One tile of the pipelined loop: this tile's score MMA, then the previous tile's p @ V, both
+        issued before this tile's softmax, which runs under the p @ V. On return acc holds every tile
+        before this one (rescaled to the new maximum) and this tile's p is in its buffer."""
+        NQ: gl.constexpr = 2 if SPLIT else 1
+        # sparse: tiles up to tile + NUM_STAGES - 2 are committed (the previous slot's refill comes below)
+        _wait_tile(ring, tile, NUM_STAGES, SPARSE, NUM_STAGES - 2 if HAS_PREV else NUM_STAGES - 1)
+        s = _issue_scores(ring, qn_smem, qp_smem, tile, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+        if HAS_PREV:
+            acc = _pv_issue(ring, p_smem, acc, tile - 1, NUM_STAGES, NUM_WARPS, SPLIT)
+            s = warpgroup_mma_wait(num_outstanding=NQ, deps=(s, ))  # the scores retire, p @ V runs on
+        else:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
+        buf = (tile % 2) * NQ  # p in two buffers: the previous p @ V reads the other one
+        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
+            x = _relabel_p(p * 16.0)
+            hi = _round_e4m3(x)
+            p_smem.index(buf).store((hi * 16.0).to(gl.float8e4nv))
+            p_smem.index(buf + 1).store(((x - hi) * 16.0).to(gl.float8e4nv))
+        else:
+            p_smem.index(buf).store(_relabel_p(p * _P_SCALE).to(gl.float8e4nv))
+        if HAS_PREV:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :]
+        fence_async_shared()
+        _cta_barrier()  # p is visible to the next p @ V; every warp has read the previous slot's V
+        if HAS_PREV:  # refill the previous tile's slot
+            if SPARSE:
+                _gather(ring, split, tile - 1 + NUM_STAGES, NUM_STAGES, NUM_WARPS)
+            else:
+                _issue(descs, ring, split, tile - 1 + NUM_STAGES, NUM_STAGES, PAGE)
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _gather_ds(ring, ds_ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """``_gather`` for 656-byte fp8_ds_mla rows: 512 e4m3 NoPE values into the ckv ring, the 64
         bf16 RoPE values and the 4 fp32 group scales into their own rings (-1 slots: zeros)."""
@@ -459,6 +554,7 @@ if HAS_GLUON:
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
+        PIPE: gl.constexpr = False,  # the next tile's scores issued before this tile's softmax (_pipe_step)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -484,7 +580,7 @@ if HAS_GLUON:
             qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], rope_sl)
         else:
             qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ if PIPE else NQ, BLOCK_H, 64], kpe_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -567,6 +663,22 @@ if HAS_GLUON:
                 m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope,
                                          m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
             async_copy.wait_group(0)
+        elif PIPE:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
+            if n_tiles > 0:
+                m_i, l_i, acc = _pipe_step(descs, ring, split_, p_smem, qn_smem, qp_smem, 0, qk_scale, m_i, l_i, acc,
+                                           False, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, SPARSE, SPLIT)
+                for tile in range(1, n_tiles - 1):
+                    m_i, l_i, acc = _pipe_step(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i,
+                                               l_i, acc, True, SPARSE, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, SPARSE,
+                                               SPLIT)
+                if n_tiles > 1:
+                    m_i, l_i, acc = _pipe_step(descs, ring, split_, p_smem, qn_smem, qp_smem, n_tiles - 1, qk_scale,
+                                               m_i, l_i, acc, True, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS,
+                                               SPARSE, SPLIT)
+                acc = _pv_issue(ring, p_smem, acc, n_tiles - 1, NUM_STAGES, NUM_WARPS, SPLIT)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if SPARSE:
+                async_copy.wait_group(0)
         elif SPARSE:  # every tile masked: any slot may be -1
             for tile in range(0, n_tiles):
                 m_i, l_i, acc = _tile(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
@@ -617,12 +729,12 @@ def _scratch(size: int, alignment: int, stream):
 # and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
 # min_tiles / max_splits: the fewest tiles a split holds and the most splits a request gets when the
 # wave leaves room for more (default_num_splits).
-GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64)
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipeline=False)
 # 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM. A split may hold one
 # tile: at one request of 8K, 64 heads, 128 splits (one tile each) against 32 took accurate 36.0 us
 # against 42.7 and fast 19.3 against 22.9 (run 11a, gpu_gluon.py --accurate); at 128 heads (two head
 # blocks) 64 splits 42.2 against 43.3, and 128 (two waves) 83.6.
-GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128)
+GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128, pipeline=False)
 
 
 def block_config(H: int) -> tuple[int, int, dict]:
@@ -696,7 +808,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
-                         max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor"):
+                         max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
+                         pipeline: bool | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -717,6 +830,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
+    pipeline : issue each tile's score MMA before the previous tile's softmax, so that the MMAs run
+        under it (two p buffers; needs num_stages >= 2; not for fp8_ds_mla); None: ``GPU_CONFIG``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -745,9 +860,13 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          f"got strides {tuple(kv_buffer.stride())}")
     block_h, num_warps, cfg = block_config(H)
     cfg = dict(cfg)
-    cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
+    cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm, pipeline=pipeline).items()
+                if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
+    pipe = bool(cfg["pipeline"]) and not ds
+    if pipe and cfg["num_stages"] < 2:
+        raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
@@ -768,7 +887,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

@@ -22,7 +22,10 @@ from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E4
 
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
             "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
-            "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict()}
+            "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict(),
+            # the score MMA of each tile issued before the previous tile's softmax (pipeline=True), and not
+            "pipe": dict(pipeline=True), "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
+            "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False)}
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 # precision="accurate": the FP8 MMA accumulator's error grows with a split's length (labkit.mma_model);
@@ -31,6 +34,8 @@ SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 
 ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": dict(max_split_len=2048),
                 "fast": dict(precision="fast"), "n64": dict(num_splits=64), "n128": dict(num_splits=128),
                 "fast_n128": dict(precision="fast", num_splits=128), "n32": dict(num_splits=32),
+                "pipe": dict(pipeline=True), "fast_pipe": dict(precision="fast", pipeline=True),
+                "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
                 "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)

@@ -47,6 +47,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "b1024": dict(block=1024), "b16k": dict(block=16384), "cb256": dict(cand_block=256),
     # the row rounds counted by atomics (one a key), or one atomic a distinct digit a warp (match.any)
     "atomic": dict(count="atomic"), "match": dict(count="match"),
+    "atomic_w16": dict(count="atomic", num_warps=16), "match_w16": dict(count="match", num_warps=16),
+    "atomic_db4": dict(count="atomic", digit_bits=4), "atomic_b16k": dict(count="atomic", block=16384),
+    "match_b16k": dict(count="match", block=16384), "atomic_s2": dict(count="atomic", splits=2),
 }
 
 

@@ -273,7 +273,8 @@ TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1), (64, 64), (128, 48), (64, 128)])
-@pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5)])
+@pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5),
+                                    dict(pipeline=True), dict(pipeline=True, num_stages=2), dict(pipeline=False)])
 def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000]
@@ -320,9 +321,10 @@ def test_gpu_gluon_sparse(page_size, heads):
     batch = batch.with_slots(slots)
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
-    for splits in (None, 1, 5):
+    for splits, pipeline in ((None, None), (1, False), (5, False), (1, True), (5, True)):
         out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                                          SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots)
+                                          SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
+                                          pipeline=pipeline)
         assert torch.isfinite(out).all() and reference.rel_err(out, ref) < TOL_GPU_P8
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
     plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
@@ -347,11 +349,14 @@ def test_gpu_gluon_accurate(heads, sparse):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM)
     errs = {}
-    for precision in ("accurate", "fast"):
+    for precision, pipeline in (("accurate", False), ("fast", False), ("accurate", True), ("fast", True)):
         out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
-                                     pool.scale(0), token_indices=one.token_indices, precision=precision)
-        errs[precision] = reference.rel_err(out, ref)
-    assert errs["accurate"] < TOL_ACCURATE and errs["fast"] > 3 * errs["accurate"], errs
+                                     pool.scale(0), token_indices=one.token_indices, precision=precision,
+                                     pipeline=pipeline)
+        errs[precision, pipeline] = reference.rel_err(out, ref)
+    for pipeline in (False, True):
+        assert errs["accurate", pipeline] < TOL_ACCURATE, errs
+        assert errs["fast", pipeline] > 3 * errs["accurate", pipeline], errs
     plan = backends.get("fp8_native.gluon_acc").plan(pool, batch, heads, SM, qn.dtype)
     assert reference.rel_err(plan.run(qn, qp, 0), ref) < TOL_ACCURATE
     if not sparse:  # one split asked for: the accurate cap still splits the 8K request (4096 tokens each)
