@@ -737,12 +737,33 @@ GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipel
 GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128, pipeline=False)
 
 
+# 17-32 heads a CTA: the pipelined tile loop (run 12b, gpu_gluon.py, 32 heads 64 x 8K: 167.5 -> 129.6 us;
+# its 4-warp CTA spills either way, 284 bytes against 476). At 16 and 64 heads it was slower
+# (89.2 -> 96.6, 151.4 -> 168.8 us) and stays off.
+GPU_CONFIG_32 = dict(GPU_CONFIG, pipeline=True)
+
+
 def block_config(H: int) -> tuple[int, int, dict]:
     """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
     two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages)."""
     if H <= 32:
-        return (16 if H <= 16 else 32), 4, GPU_CONFIG
+        return (16, 4, GPU_CONFIG) if H <= 16 else (32, 4, GPU_CONFIG_32)
     return WIDE_HEADS, 8, GPU_CONFIG_WIDE
+
+
+def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, pipeline: bool | None = None) -> bool:
+    """Whether the launch takes the pipelined tile loop: ``pipeline``, or the config's default where
+    the loop exists (not on fp8_ds_mla rows; not on sparse slots with one warpgroup: Triton 3.6-3.7
+    cannot prove the 16-byte alignment of its row copies there; not with a one-tile ring). ValueError
+    if asked for where it does not exist."""
+    no = "fp8_ds_mla rows" if ds else "sparse slots at <= 32 heads" if sparse and block_h < WIDE_HEADS else None
+    if pipeline and no:
+        raise ValueError(f"mla_decode_fp8_gluon: pipeline=True is not built for {no}; use pipeline=False or None")
+    if pipeline is None:
+        return bool(cfg["pipeline"]) and not no and cfg["num_stages"] >= 2
+    if pipeline and cfg["num_stages"] < 2:
+        raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
+    return bool(pipeline)
 
 
 @functools.lru_cache(maxsize=None)
@@ -830,8 +851,9 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     num_stages, ctas_per_sm, max_len : tuning (``GPU_CONFIG``): ring depth
         (num_stages x 36 KB of shared memory), the CTAs per SM the default split count aims at
         (one wave), the longest kv_lens (spares a device -> host read).
-    pipeline : issue each tile's score MMA before the previous tile's softmax, so that the MMAs run
-        under it (two p buffers; needs num_stages >= 2; not for fp8_ds_mla); None: ``GPU_CONFIG``.
+    pipeline : the pipelined tile loop: a tile's score MMA and the previous tile's p @ V issued before
+        its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
+        default where the loop is built (``use_pipeline``: on at 17-32 heads, dense).
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -860,13 +882,10 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          f"got strides {tuple(kv_buffer.stride())}")
     block_h, num_warps, cfg = block_config(H)
     cfg = dict(cfg)
-    cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm, pipeline=pipeline).items()
-                if v is not None})
+    cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
-    pipe = bool(cfg["pipeline"]) and not ds
-    if pipe and cfg["num_stages"] < 2:
-        raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
+    pipe = use_pipeline(cfg, block_h, sparse, ds, pipeline)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)

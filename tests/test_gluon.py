@@ -227,6 +227,24 @@ def test_refusals_name_the_rule():
         ((64, 128), 128, (9, 0), (9, 0), False)
 
 
+def test_pipeline_rule():
+    """The pipelined tile loop: on by default at 17-32 heads on dense pages only; asked for where it
+    is not built (fp8_ds_mla, sparse at <= 32 heads, a one-tile ring), refused by name."""
+    def pipe(H, sparse=False, ds=False, pipeline=None, **kw):
+        block_h, _, cfg = G.block_config(H)
+        return G.use_pipeline({**cfg, **kw}, block_h, sparse, ds, pipeline)
+    assert [pipe(h) for h in (1, 16, 17, 32, 33, 64, 128)] == [False, False, True, True, False, False, False]
+    assert not pipe(32, sparse=True) and pipe(64, sparse=True, pipeline=True) and pipe(16, pipeline=True)
+    assert not pipe(64, sparse=True, ds=True) and not pipe(32, pipeline=False)
+    with pytest.raises(ValueError, match="not built for sparse slots at <= 32 heads"):
+        pipe(32, sparse=True, pipeline=True)
+    with pytest.raises(ValueError, match="not built for fp8_ds_mla rows"):
+        pipe(64, sparse=True, ds=True, pipeline=True)
+    assert not pipe(32, num_stages=1)
+    with pytest.raises(ValueError, match="needs num_stages >= 2, got 1"):
+        pipe(32, num_stages=1, pipeline=True)
+
+
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
@@ -321,7 +339,8 @@ def test_gpu_gluon_sparse(page_size, heads):
     batch = batch.with_slots(slots)
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
-    for splits, pipeline in ((None, None), (1, False), (5, False), (1, True), (5, True)):
+    pipes = (False, True) if heads > 32 else (False, )  # pipeline=True is refused on sparse slots <= 32 heads
+    for splits, pipeline in [(None, None)] + [(n, p) for n in (1, 5) for p in pipes]:
         out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                           SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
                                           pipeline=pipeline)
@@ -349,12 +368,13 @@ def test_gpu_gluon_accurate(heads, sparse):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM)
     errs = {}
-    for precision, pipeline in (("accurate", False), ("fast", False), ("accurate", True), ("fast", True)):
+    pipes = (False, True) if heads > 32 or not sparse else (False, )
+    for precision, pipeline in [(pr, p) for p in pipes for pr in ("accurate", "fast")]:
         out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
                                      pool.scale(0), token_indices=one.token_indices, precision=precision,
                                      pipeline=pipeline)
         errs[precision, pipeline] = reference.rel_err(out, ref)
-    for pipeline in (False, True):
+    for pipeline in pipes:
         assert errs["accurate", pipeline] < TOL_ACCURATE, errs
         assert errs["fast", pipeline] > 3 * errs["accurate", pipeline], errs
     plan = backends.get("fp8_native.gluon_acc").plan(pool, batch, heads, SM, qn.dtype)
