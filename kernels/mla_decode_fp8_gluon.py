@@ -743,12 +743,21 @@ GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128,
 GPU_CONFIG_32 = dict(GPU_CONFIG, pipeline=True)
 
 
-def block_config(H: int) -> tuple[int, int, dict]:
-    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
-    two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages)."""
-    if H <= 32:
-        return (16, 4, GPU_CONFIG) if H <= 16 else (32, 4, GPU_CONFIG_32)
-    return WIDE_HEADS, 8, GPU_CONFIG_WIDE
+BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two warpgroups of 64
+
+
+def block_config(H: int, precision: str = "fast", block_h: int | None = None) -> tuple[int, int, dict]:
+    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 16 heads, and up to 32 when
+    fast; else 64 heads on two warpgroups (128 heads: two head blocks of 64, each CTA reading the same
+    pages). 17-32 heads accurate take the 64-head CTA: one warpgroup holding 32 heads spills its
+    accumulators (sm_90: 464 bytes of stack; run 12f: 32 heads 64 x 8K). ``block_h`` forces one."""
+    if block_h is None:
+        block_h = 16 if H <= 16 else 32 if H <= 32 and precision == "fast" else WIDE_HEADS
+    if block_h not in BLOCK_HS:
+        raise ValueError(f"mla_decode_fp8_gluon: block_h={block_h!r}; allowed {list(BLOCK_HS)}")
+    if block_h == WIDE_HEADS:
+        return WIDE_HEADS, 8, GPU_CONFIG_WIDE
+    return block_h, 4, GPU_CONFIG if block_h == 16 else GPU_CONFIG_32
 
 
 def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, pipeline: bool | None = None) -> bool:
@@ -830,7 +839,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
-                         pipeline: bool | None = None):
+                         pipeline: bool | None = None, block_h: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -854,6 +863,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     pipeline : the pipelined tile loop: a tile's score MMA and the previous tile's p @ V issued before
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense).
+    block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -880,7 +890,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h, num_warps, cfg = block_config(H)
+    block_h, num_warps, cfg = block_config(H, precision, block_h)
     cfg = dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
