@@ -737,22 +737,20 @@ GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipel
 GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128, pipeline=False)
 
 
-# 17-32 heads a CTA: the pipelined tile loop (run 12b, gpu_gluon.py, 32 heads 64 x 8K: 167.5 -> 129.6 us;
-# its 4-warp CTA spills either way, 284 bytes against 476). At 16 and 64 heads it was slower
-# (89.2 -> 96.6, 151.4 -> 168.8 us) and stays off.
+# 17-32 heads a CTA, fast: the pipelined tile loop (run 12c, gpu_gluon.py, 32 heads 64 x 8K: 167.5 -> 129.6
+# us; its 4-warp CTA spills either way, 284 bytes against 476). Accurate there it took 397 us against
+# 245 (run 11d), and at 16 and 64 heads it was slower in both precisions (fast 89.2 -> 96.6 and
+# 151.4 -> 168.8 us): off.
 GPU_CONFIG_32 = dict(GPU_CONFIG, pipeline=True)
-
-
 BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two warpgroups of 64
 
 
-def block_config(H: int, precision: str = "fast", block_h: int | None = None) -> tuple[int, int, dict]:
-    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 16 heads, and up to 32 when
-    fast; else 64 heads on two warpgroups (128 heads: two head blocks of 64, each CTA reading the same
-    pages). 17-32 heads accurate take the 64-head CTA: one warpgroup holding 32 heads spills its
-    accumulators (sm_90: 464 bytes of stack; run 12f: 32 heads 64 x 8K). ``block_h`` forces one."""
+def block_config(H: int, block_h: int | None = None) -> tuple[int, int, dict]:
+    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
+    two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages). ``block_h``
+    forces one (16 or 32: one warpgroup; 64: two)."""
     if block_h is None:
-        block_h = 16 if H <= 16 else 32 if H <= 32 and precision == "fast" else WIDE_HEADS
+        block_h = 16 if H <= 16 else 32 if H <= 32 else WIDE_HEADS
     if block_h not in BLOCK_HS:
         raise ValueError(f"mla_decode_fp8_gluon: block_h={block_h!r}; allowed {list(BLOCK_HS)}")
     if block_h == WIDE_HEADS:
@@ -760,16 +758,17 @@ def block_config(H: int, precision: str = "fast", block_h: int | None = None) ->
     return block_h, 4, GPU_CONFIG if block_h == 16 else GPU_CONFIG_32
 
 
-def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, pipeline: bool | None = None) -> bool:
-    """Whether the launch takes the pipelined tile loop: ``pipeline``, or the config's default where
-    the loop exists (not on fp8_ds_mla rows; not on sparse slots with one warpgroup: Triton 3.6-3.7
+def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
+                 pipeline: bool | None = None) -> bool:
+    """Whether the launch takes the pipelined tile loop: ``pipeline``, or the config's default for the
+    fast precision where the loop exists (not on fp8_ds_mla rows; not on sparse slots with one warpgroup: Triton 3.6-3.7
     cannot prove the 16-byte alignment of its row copies there; not with a one-tile ring). ValueError
     if asked for where it does not exist."""
     no = "fp8_ds_mla rows" if ds else "sparse slots at <= 32 heads" if sparse and block_h < WIDE_HEADS else None
     if pipeline and no:
         raise ValueError(f"mla_decode_fp8_gluon: pipeline=True is not built for {no}; use pipeline=False or None")
     if pipeline is None:
-        return bool(cfg["pipeline"]) and not no and cfg["num_stages"] >= 2
+        return bool(cfg["pipeline"]) and precision == "fast" and not no and cfg["num_stages"] >= 2
     if pipeline and cfg["num_stages"] < 2:
         raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
     return bool(pipeline)
@@ -862,7 +861,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         (one wave), the longest kv_lens (spares a device -> host read).
     pipeline : the pipelined tile loop: a tile's score MMA and the previous tile's p @ V issued before
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
-        default where the loop is built (``use_pipeline``: on at 17-32 heads, dense).
+        default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
@@ -890,12 +889,12 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h, num_warps, cfg = block_config(H, precision, block_h)
+    block_h, num_warps, cfg = block_config(H, block_h)
     cfg = dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
-    pipe = use_pipeline(cfg, block_h, sparse, ds, pipeline)
+    pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)

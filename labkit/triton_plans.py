@@ -189,7 +189,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     G.check_gluon_args(num_heads, pool.page_size, pool.device, sparse)
     views = [R.rows_views(pool.layer(i), pool.kv_layout) for i in range(pool.num_layers)]  # e4m3, fp32, bf16
     scales = [1.0] * pool.num_layers if ds else _layers(pool)[1]
-    block_h, num_warps, cfg = G.block_config(num_heads, precision)
+    block_h, num_warps, cfg = G.block_config(num_heads)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
                        batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"],
@@ -201,7 +201,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
-                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds), num_warps=num_warps)
+                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         (kv, kv32, kv16), k_scale = views[layer], scales[layer]

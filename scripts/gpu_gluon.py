@@ -37,6 +37,7 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "pipe": dict(pipeline=True), "fast_pipe": dict(precision="fast", pipeline=True),
                 "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
                 "bh32": dict(block_h=32), "bh64": dict(block_h=64), "fast_bh64": dict(precision="fast", block_h=64),
+                "fast_nopipe": dict(precision="fast", pipeline=False),
                 "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)

@@ -228,13 +228,14 @@ def test_refusals_name_the_rule():
 
 
 def test_pipeline_and_block_rules():
-    """The pipelined tile loop: on by default at 17-32 heads on dense pages only; asked for where it
-    is not built (fp8_ds_mla, sparse at <= 32 heads, a one-tile ring), refused by name. Heads a CTA
-    by precision, and a forced block_h checked."""
-    def pipe(H, sparse=False, ds=False, pipeline=None, **kw):
+    """The pipelined tile loop: on by default at 17-32 heads, dense, fast only; asked for where it is
+    not built (fp8_ds_mla, sparse at <= 32 heads, a one-tile ring), refused by name. A forced
+    block_h is checked."""
+    def pipe(H, sparse=False, ds=False, precision="fast", pipeline=None, **kw):
         block_h, _, cfg = G.block_config(H)
-        return G.use_pipeline({**cfg, **kw}, block_h, sparse, ds, pipeline)
+        return G.use_pipeline({**cfg, **kw}, block_h, sparse, ds, precision, pipeline)
     assert [pipe(h) for h in (1, 16, 17, 32, 33, 64, 128)] == [False, False, True, True, False, False, False]
+    assert not pipe(32, precision="accurate") and pipe(32, precision="accurate", pipeline=True)
     assert not pipe(32, sparse=True) and pipe(64, sparse=True, pipeline=True) and pipe(16, pipeline=True)
     assert not pipe(64, sparse=True, ds=True) and not pipe(32, pipeline=False)
     with pytest.raises(ValueError, match="not built for sparse slots at <= 32 heads"):
@@ -242,14 +243,13 @@ def test_pipeline_and_block_rules():
     with pytest.raises(ValueError, match="not built for fp8_ds_mla rows"):
         pipe(64, sparse=True, ds=True, pipeline=True)
     assert not pipe(32, num_stages=1)
-    # 17-32 heads accurate: the 64-head CTA of two warpgroups (one warpgroup of 32 would spill)
-    assert [G.block_config(h, "accurate")[:2] for h in (16, 17, 32, 64)] == [(16, 4), (64, 8), (64, 8), (64, 8)]
-    assert [G.block_config(h)[:2] for h in (16, 17, 32, 64)] == [(16, 4), (32, 4), (32, 4), (64, 8)]
-    assert G.block_config(8, block_h=64)[:2] == (64, 8)
-    with pytest.raises(ValueError, match=r"block_h=48; allowed \[16, 32, 64\]"):
-        G.block_config(32, block_h=48)
     with pytest.raises(ValueError, match="needs num_stages >= 2, got 1"):
         pipe(32, num_stages=1, pipeline=True)
+    assert [G.block_config(h)[:2] for h in (1, 16, 17, 32, 33, 128)] == [(16, 4), (16, 4), (32, 4), (32, 4), (64, 8),
+                                                                         (64, 8)]
+    assert G.block_config(8, block_h=64)[:2] == (64, 8) and G.block_config(64, block_h=32)[:2] == (32, 4)
+    with pytest.raises(ValueError, match=r"block_h=48; allowed \[16, 32, 64\]"):
+        G.block_config(32, block_h=48)
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
