@@ -31,6 +31,10 @@ so that V never goes through shared memory a second time:
   running max is over scores + log2 scale, l sums the plain p). Measured (H200) 2.6x the per-tensor
   kernel's time at 16 heads: the write-back serializes the tile and the rescale costs ~1000
   instructions a thread a tile.
+* Pipelined loop (``PIPE``, ``use_pipeline``: the fast precision's default at 17-32 heads, dense):
+  a tile's score MMA, then the previous tile's p @ V, both issued before this tile's softmax, which
+  runs under them; p in two buffers. At 16 and 64 heads it was slower (run 12: spills, a refill one
+  tile later), so the plain chain stays there.
 * precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
   the same accumulators; twice the MMAs, V unchanged.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:

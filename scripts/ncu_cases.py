@@ -7,13 +7,18 @@ times; profile the last one:
     ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 \\
         --set full --import-source no -o OUT/gluon64 python3 scripts/ncu_cases.py gluon64
     ncu -i OUT/gluon64.ncu-rep --page source --print-source sass --csv > OUT/gluon64_sass.csv
+    python3 scripts/ncu_cases.py --stalls OUT/gluon64_sass.csv > OUT/gluon64_stalls.txt   # any machine
 
 Cases (CASES): the Gluon decode dense 64 x 8K at 16 and 64 heads (fast, and accurate at 16), sparse
-top-2048 of 32K at 64 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer).
+top-2048 of 32K at 64 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer). ``--stalls``
+sums a source page's warp-stall samples: the share of each reason, then the instructions that hold
+the most samples.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import sys
 from pathlib import Path
 
@@ -56,11 +61,38 @@ CASES = {
 }
 
 
+def stall_summary(path: str, top: int = 25) -> str:
+    """A ``--page source --csv`` export of Nsight Compute: every stall reason's share of the warp
+    samples, then the ``top`` instructions by samples with their three largest reasons."""
+    rows = list(csv.reader(open(path)))
+    hdr, data = rows[1], [r for r in rows[2:] if len(r) >= len(rows[1])]
+    col = {h: i for i, h in enumerate(hdr)}
+    reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
+    total, per = collections.Counter(), []
+    for r in data:
+        d = {h: int(r[col[h]] or 0) for h in reasons}
+        total.update(d)
+        per.append((int(r[col["Warp Stall Sampling (All Samples)"]] or 0), r[col["Address"]][-5:],
+                    r[col["Source"]].strip(), d))
+    n = max(sum(s for s, *_ in per), 1)
+    out = [f"samples {n}"] + [f"  {k:28s} {v / n * 100:5.1f}%" for k, v in total.most_common(12)]
+    for s, addr, src, d in sorted(per, key=lambda x: -x[0])[:top]:
+        why = ", ".join(f"{k[6:]}:{v}" for k, v in sorted(d.items(), key=lambda x: -x[1])[:3] if v)
+        out.append(f"{s / n * 100:5.1f}% {addr} {src[:60]:60s} {why}")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("case", nargs="?", choices=sorted(CASES))
     ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--stalls", metavar="CSV", help="summarize an exported source page instead")
     a = ap.parse_args()
+    if a.stalls:
+        print(stall_summary(a.stalls))
+        return
+    if a.case is None:
+        ap.error(f"name a case: {sorted(CASES)}")
     fn = CASES[a.case]()
     for _ in range(a.launches):
         fn()

@@ -289,6 +289,22 @@ def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
     assert not any(o.startswith(("HMMA", "HGMMA", "LDS.U8")) for o in st["ops"])
 
 
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
+    """The pipelined loop (32 heads) compiled for sm_90: its wgmmas stay asynchronous. Had a wait
+    read an in-flight accumulator, ptxas would fence every one (C7514: one WARPGROUP.DEPBAR per MMA)."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "32", "--stages", "2",
+                          "--pipe"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ops = json.loads(res.stdout)["ops"]
+    mmas = sum(v for k, v in ops.items() if k.startswith("QGMMA"))
+    waits = ops.get("WARPGROUP.DEPBAR.LE", 0)
+    assert mmas >= 3 * (18 + 8) and waits <= 12, (mmas, waits)  # three tile bodies; a few waits each
+
+
 # ------------------------------------------------------------------ GPU -------------------------
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                             reason="needs a Hopper (sm_90) GPU")
