@@ -300,47 +300,17 @@ if HAS_GLUON:
               MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
               NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
         """Online-softmax update of (m_i, l_i, acc = out^T) with tile ``tile``; refills its slot."""
-        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
-        ckv_ring, kpe_ring, bars = ring
-        slot = tile % NUM_STAGES
-        if SPARSE:  # this thread's copies of the tile have landed; then everyone's; then the MMA may read
-            async_copy.wait_group(NUM_STAGES - 1)
-            fence_async_shared()
-            _cta_barrier()
-        else:
-            mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
-        ckv = ckv_ring.index(slot)
-        kpe = kpe_ring.index(slot)
-        s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma(kpe, qp_smem.index(0).permute((1, 0)), s, is_async=True)
-        if SPLIT:  # the query's second e4m3 term: 16 q = hi + lo, both in one accumulator
-            s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(kpe, qp_smem.index(1).permute((1, 0)), s, is_async=True)
-        v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, while the score MMA runs
+        _wait_tile(ring, tile, NUM_STAGES, SPARSE, NUM_STAGES - 1)
+        s = _issue_scores(ring, qn_smem, qp_smem, tile, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+        v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, under the MMA
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
         if SPARSE:
             _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
         else:
             _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
-
-        s = s * qk_scale
-        if MASKED:  # rows past the request's end (zeros, from the tail descriptor): -inf scores
-            start = split[2]
-            end = split[3]
-            tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            if SPARSE:  # and the -1 slots (zero rows)
-                valid = gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0
-            else:
-                valid = tok < end
-            s = gl.where(valid[:, None], s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may have no valid slot yet
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha[None, :] + p  # per-row partial sums: reduced once, at the end
-        return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
+        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
+        return m_i, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit
     def _wait_tile(ring, tile, NUM_STAGES: gl.constexpr, SPARSE: gl.constexpr, PENDING: gl.constexpr):
