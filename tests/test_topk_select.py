@@ -15,7 +15,7 @@ import torch
 from labkit import config, kvpool
 from labkit.indexer import Indexer, check_slots, default_topk_impl, positions_of, select_tokens, token_ids
 from labkit.kernels import topk_select as topk_module
-from labkit.kernels.topk_select import topk_select
+from labkit.kernels.topk_select import default_count, topk_select
 
 POISON = -123456  # what torch.empty gives int32 tensors in these tests: an unwritten slot shows
 
@@ -172,6 +172,20 @@ def test_positions_of_inverts_token_ids():
     ids = token_ids(batch, pos).to(torch.int32)
     assert torch.equal(positions_of(batch, ids), torch.where(pos < torch.tensor([[100], [37], [200]]), pos, -1))
     assert (positions_of(batch, ids[[1, 2, 0]]) == -1).all(), "tokens of other requests are not found"
+
+
+def test_default_count_by_batch(poisoned_ints):
+    """One request counts by atomics, more by tl.histogram (run 12a); one request's slots by the
+    default equal those counted by histogram (the same set: the logits here have no ties)."""
+    assert default_count(1) == "atomic" and default_count(2) == default_count(64) == "histogram"
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 700, generator=gen)
+    lens = torch.tensor([700], dtype=torch.int32)
+    indptr, indices = torch.tensor([0, 700], dtype=torch.int32), torch.arange(700, dtype=torch.int32)
+    a = topk_select(x, lens, indptr, indices, 1, 50, block=128)
+    b = topk_select(x, lens, indptr, indices, 1, 50, block=128, count="histogram")
+    assert torch.equal(a.sort(1).values, b.sort(1).values)
+    assert torch.equal(a.sort(1).values, x.topk(50, 1).indices.int().sort(1).values)
 
 
 def test_bad_arguments():
