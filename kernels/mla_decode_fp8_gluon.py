@@ -42,7 +42,7 @@ so that V never goes through shared memory a second time:
   scores there are masked to -inf; the loop over whole tiles runs unmasked.
 
 Shared memory: NUM_STAGES x 36 KB of tiles + BLOCK_H x 576 B of query + BLOCK_H x 64 B of p (x2 each
-when accurate).
+when accurate; p x2 again in the pipelined loop).
 Moves L*576 B of KV (L = tokens read, whole 64-token tiles) + B*H*(576 + 512)*2 B of queries and
 outputs (+ B*H*S*513*4 B of split partials, twice); 2*H*L*(576 + 512) FLOPs (x BLOCK_H/H padded).
 Error (H200, run 7b): fast, FP8 query (one scale per CTA) and FP8 probabilities, 2.7-2.9e-2 relative
