@@ -408,6 +408,28 @@ if HAS_GLUON:
         return m_i, l_i, acc
 
     @gluon.jit
+    def _ahead_step(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc, s,
+                    HAS_NEXT: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr,
+                    BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
+        """One tile with the next tile's score MMA issued first, so that it runs under this tile's
+        softmax and p @ V (``PIPE`` 2); p @ V waited here as in ``_tile``. On entry s holds this
+        tile's scores (done); returns the next tile's (done)."""
+        if HAS_NEXT:  # sparse: tiles up to tile + NUM_STAGES - 1 are committed; tile + 1 must have landed
+            _wait_tile(ring, tile + 1, NUM_STAGES, SPARSE, NUM_STAGES - 2)
+            s_next = _issue_scores(ring, qn_smem, qp_smem, tile + 1, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+        v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))
+        _cta_barrier()  # every warp has read this slot's V (its scores are done): refill it
+        if SPARSE:
+            _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
+        else:
+            _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
+        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
+        acc = _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)  # its wait retires the next scores too
+        if HAS_NEXT:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+        return m_i, l_i, acc, s
+
+    @gluon.jit
     def _gather_ds(ring, ds_ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """``_gather`` for 656-byte fp8_ds_mla rows: 512 e4m3 NoPE values into the ckv ring, the 64
         bf16 RoPE values and the 4 fp32 group scales into their own rings (-1 slots: zeros)."""
@@ -528,7 +550,7 @@ if HAS_GLUON:
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
-        PIPE: gl.constexpr = False,  # the next tile's scores issued before this tile's softmax (_pipe_step)
+        PIPE: gl.constexpr = 0,  # 1: the pipelined loop (_pipe_step); 2: the next tile's scores ahead (_ahead_step)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -554,7 +576,7 @@ if HAS_GLUON:
             qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], rope_sl)
         else:
             qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ if PIPE else NQ, BLOCK_H, 64], kpe_sl)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ if PIPE == 1 else NQ, BLOCK_H, 64], kpe_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -637,7 +659,21 @@ if HAS_GLUON:
                 m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope,
                                          m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
             async_copy.wait_group(0)
-        elif PIPE:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
+        elif PIPE == 2:  # the last tile always masked (a full one loses nothing); sparse: every tile
+            if n_tiles > 0:
+                _wait_tile(ring, 0, NUM_STAGES, SPARSE, NUM_STAGES - 1)
+                s = _issue_scores(ring, qn_smem, qp_smem, 0, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                for tile in range(0, n_tiles - 1):
+                    m_i, l_i, acc, s = _ahead_step(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i,
+                                                   l_i, acc, s, True, SPARSE, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS,
+                                                   SPARSE, SPLIT)
+                m_i, l_i, acc, s = _ahead_step(descs, ring, split_, p_smem, qn_smem, qp_smem, n_tiles - 1, qk_scale,
+                                               m_i, l_i, acc, s, False, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS,
+                                               SPARSE, SPLIT)
+            if SPARSE:
+                async_copy.wait_group(0)
+        elif PIPE == 1:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
             if n_tiles > 0:
                 m_i, l_i, acc = _pipe_step(descs, ring, split_, p_smem, qn_smem, qp_smem, 0, qk_scale, m_i, l_i, acc,
                                            False, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, SPARSE, SPLIT)
@@ -812,7 +848,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
-                         pipeline: bool | None = None, block_h: int | None = None):
+                         pipeline: bool | None = None, block_h: int | None = None,
+                         scores_ahead: bool | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -837,6 +874,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
+    scores_ahead : the plain loop with each next tile's score MMA issued before this tile's softmax
+        (not with ``pipeline``; num_stages >= 2; not fp8_ds_mla); None: the config's default.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -869,6 +908,13 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
+    ahead = cfg.get("scores_ahead", False) if scores_ahead is None else scores_ahead
+    if ahead and (pipe or ds or cfg["num_stages"] < 2):
+        if scores_ahead:
+            raise ValueError("mla_decode_fp8_gluon: scores_ahead=True needs the plain loop (pipeline off), "
+                             f"num_stages >= 2 and a per-tensor pool; got pipeline={pipe}, "
+                             f"num_stages={cfg['num_stages']}, kv_layout={kv_layout!r}")
+        ahead = False
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
@@ -889,7 +935,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=2 if ahead else int(pipe), num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

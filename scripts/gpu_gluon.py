@@ -25,7 +25,8 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "n64": dict(num_splits=64), "n128": dict(num_splits=128), "default": dict(),
             # the score MMA of each tile issued before the previous tile's softmax (pipeline=True), and not
             "pipe": dict(pipeline=True), "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
-            "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False)}
+            "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False),
+            "ahead": dict(scores_ahead=True, pipeline=False)}  # the next tile's score MMA issued first
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 # precision="accurate": the FP8 MMA accumulator's error grows with a split's length (labkit.mma_model);
