@@ -34,7 +34,8 @@ so that V never goes through shared memory a second time:
 * Pipelined loop (``PIPE``, ``use_pipeline``: the fast precision's default at 17-32 heads, dense):
   a tile's score MMA, then the previous tile's p @ V, both issued before this tile's softmax, which
   runs under them; p in two buffers. At 16 and 64 heads it was slower (run 12: spills, a refill one
-  tile later), so the plain chain stays there.
+  tile later), so the plain chain stays there. ``scores_ahead`` (``PIPE`` 2): the plain chain with
+  each next tile's score MMA issued first (built, not yet measured on a GPU; off by default).
 * precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
   the same accumulators; twice the MMAs, V unchanged.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:
