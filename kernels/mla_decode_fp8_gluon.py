@@ -144,17 +144,17 @@ if HAS_GLUON:
         return gl.where(gl.abs(x) < 0.015625, sub, normal)
 
     @gluon.jit
-    def _store_split(smem, x, SPLIT: gl.constexpr, C0: gl.constexpr = 0):
+    def _store_split(smem, x, SPLIT: gl.constexpr, C0: gl.constexpr = 0, T0=0):
         """x [R, W] (|x| <= 448 fast, <= 28 SPLIT) into e4m3 at columns C0 .. C0 + W of smem
-        [terms, R, *]: one term; or SPLIT two terms 16 * hi and 16 * (x - hi), both exact or normal
-        e4m3, whose sum is 16 x to ~2^-8 relative."""
+        [terms, R, *] from term T0: one term; or SPLIT two terms 16 * hi and 16 * (x - hi), both
+        exact or normal e4m3, whose sum is 16 x to ~2^-8 relative."""
         W: gl.constexpr = x.shape[1]
         if SPLIT:
             hi = _round_e4m3(x)
-            smem.index(0).slice(C0, W, dim=1).store((hi * 16.0).to(gl.float8e4nv))
-            smem.index(1).slice(C0, W, dim=1).store(((x - hi) * 16.0).to(gl.float8e4nv))
+            smem.index(T0).slice(C0, W, dim=1).store((hi * 16.0).to(gl.float8e4nv))
+            smem.index(T0 + 1).slice(C0, W, dim=1).store(((x - hi) * 16.0).to(gl.float8e4nv))
         else:
-            smem.index(0).slice(C0, W, dim=1).store(x.to(gl.float8e4nv))
+            smem.index(T0).slice(C0, W, dim=1).store(x.to(gl.float8e4nv))
 
     @gluon.jit
     def _load_q(ptrs, hmask, C0: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
@@ -278,23 +278,43 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _pv(p, alpha, v, acc, p_smem, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
-        """acc * alpha + V^T @ p^T: p (at most 1) into e4m3 (x P_SCALE, or two terms) in shared memory,
-        V^T relabelled in registers as the A operand."""
-        acc_layout: gl.constexpr = acc.type.layout
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
-            _store_split(p_smem, _relabel_p(p * 16.0), True)
+    def _store_p(p_smem, p, T0, SPLIT: gl.constexpr):
+        """p [64, BLOCK_H] (at most 1) into e4m3 p^T at p_smem's term T0: x P_SCALE, or (SPLIT) two
+        terms of 16 (16 p), so that the MMAs give 256 p either way."""
+        if SPLIT:
+            _store_split(p_smem, _relabel_p(p * 16.0), True, 0, T0)
         else:
-            _store_split(p_smem, _relabel_p(p * _P_SCALE), False)
+            _store_split(p_smem, _relabel_p(p * _P_SCALE), False, 0, T0)
+
+    @gluon.jit
+    def _pv_mma(v, p_smem, T0, acc, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """acc += V^T @ p^T, issued: V [64, 512] e4m3 relabelled in registers as the A operand, p^T
+        from p_smem's term T0 (SPLIT: and T0 + 1; 1 or 2 wgmma groups)."""
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4)
+        vt = _relabel_v(v, a_layout, NUM_WARPS)
+        acc = warpgroup_mma(vt, p_smem.index(T0).permute((1, 0)), acc, is_async=True)
+        if SPLIT:
+            acc = warpgroup_mma(vt, p_smem.index(T0 + 1).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _pv(p, alpha, v, acc, p_smem, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """acc * alpha + V^T @ p^T, waited: p into shared memory (``_store_p``), then ``_pv_mma``."""
+        _store_p(p_smem, p, 0, SPLIT)
         fence_async_shared()
         _cta_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout))[None, :]  # all heads, 8 warps
-        vt = _relabel_v(v, a_layout, NUM_WARPS)
-        acc = warpgroup_mma(vt, p_smem.index(0).permute((1, 0)), acc, is_async=True)
-        if SPLIT:
-            acc = warpgroup_mma(vt, p_smem.index(1).permute((1, 0)), acc, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :]  # all heads, 8 warps
+        acc = _pv_mma(v, p_smem, 0, acc, NUM_WARPS, SPLIT)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    @gluon.jit
+    def _refill(descs, ring, split, tile, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, NUM_WARPS: gl.constexpr,
+                SPARSE: gl.constexpr):
+        """Tile ``tile`` (if it exists) into its ring slot: rows by cp.async (sparse) or pages by TMA."""
+        if SPARSE:
+            _gather(ring, split, tile, NUM_STAGES, NUM_WARPS)
+        else:
+            _issue(descs, ring, split, tile, NUM_STAGES, PAGE)
 
     @gluon.jit
     def _tile(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
@@ -306,10 +326,7 @@ if HAS_GLUON:
         v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, under the MMA
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
-        if SPARSE:
-            _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
-        else:
-            _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
+        _refill(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE, NUM_WARPS, SPARSE)
         m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
         return m_i, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
@@ -361,15 +378,9 @@ if HAS_GLUON:
     def _pv_issue(ring, p_smem, acc, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
         """acc += V^T @ p^T of tile ``tile`` (V from its ring slot into registers, p from its buffer),
         issued (1 wgmma group; SPLIT: 2)."""
-        acc_layout: gl.constexpr = acc.type.layout
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         NQ: gl.constexpr = 2 if SPLIT else 1
-        vt = _relabel_v(ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS)), a_layout, NUM_WARPS)
-        buf = (tile % 2) * NQ
-        acc = warpgroup_mma(vt, p_smem.index(buf).permute((1, 0)), acc, is_async=True)
-        if SPLIT:
-            acc = warpgroup_mma(vt, p_smem.index(buf + 1).permute((1, 0)), acc, is_async=True)
-        return acc
+        v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))
+        return _pv_mma(v, p_smem, (tile % 2) * NQ, acc, NUM_WARPS, SPLIT)
 
     @gluon.jit
     def _pipe_step(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc,
@@ -388,24 +399,14 @@ if HAS_GLUON:
         else:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
-        buf = (tile % 2) * NQ  # p in two buffers: the previous p @ V reads the other one
-        if SPLIT:  # 256 p = 16 (16 p): two e4m3 terms
-            x = _relabel_p(p * 16.0)
-            hi = _round_e4m3(x)
-            p_smem.index(buf).store((hi * 16.0).to(gl.float8e4nv))
-            p_smem.index(buf + 1).store(((x - hi) * 16.0).to(gl.float8e4nv))
-        else:
-            p_smem.index(buf).store(_relabel_p(p * _P_SCALE).to(gl.float8e4nv))
+        _store_p(p_smem, p, (tile % 2) * NQ, SPLIT)  # two buffers: the previous p @ V reads the other one
         if HAS_PREV:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :]
         fence_async_shared()
         _cta_barrier()  # p is visible to the next p @ V; every warp has read the previous slot's V
         if HAS_PREV:  # refill the previous tile's slot
-            if SPARSE:
-                _gather(ring, split, tile - 1 + NUM_STAGES, NUM_STAGES, NUM_WARPS)
-            else:
-                _issue(descs, ring, split, tile - 1 + NUM_STAGES, NUM_STAGES, PAGE)
+            _refill(descs, ring, split, tile - 1 + NUM_STAGES, NUM_STAGES, PAGE, NUM_WARPS, SPARSE)
         return m_i, l_i, acc
 
     @gluon.jit
@@ -420,10 +421,7 @@ if HAS_GLUON:
             s_next = _issue_scores(ring, qn_smem, qp_smem, tile + 1, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
         v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))
         _cta_barrier()  # every warp has read this slot's V (its scores are done): refill it
-        if SPARSE:
-            _gather(ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
-        else:
-            _issue(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE)
+        _refill(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE, NUM_WARPS, SPARSE)
         m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
         acc = _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)  # its wait retires the next scores too
         if HAS_NEXT:
@@ -772,9 +770,9 @@ def block_config(H: int, block_h: int | None = None) -> tuple[int, int, dict]:
 def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
                  pipeline: bool | None = None) -> bool:
     """Whether the launch takes the pipelined tile loop: ``pipeline``, or the config's default for the
-    fast precision where the loop exists (not on fp8_ds_mla rows; not on sparse slots with one warpgroup: Triton 3.6-3.7
-    cannot prove the 16-byte alignment of its row copies there; not with a one-tile ring). ValueError
-    if asked for where it does not exist."""
+    fast precision where the loop exists (not on fp8_ds_mla rows; not on sparse slots with one
+    warpgroup: Triton 3.6-3.7 cannot prove the 16-byte alignment of its row copies there; not with a
+    one-tile ring). ValueError if asked for where it does not exist."""
     no = "fp8_ds_mla rows" if ds else "sparse slots at <= 32 heads" if sparse and block_h < WIDE_HEADS else None
     if pipeline and no:
         raise ValueError(f"mla_decode_fp8_gluon: pipeline=True is not built for {no}; use pipeline=False or None")
@@ -783,6 +781,23 @@ def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str
     if pipeline and cfg["num_stages"] < 2:
         raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
     return bool(pipeline)
+
+
+def loop_mode(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
+              pipeline: bool | None = None, scores_ahead: bool | None = None) -> int:
+    """The kernel's tile loop (``PIPE``): 1 the pipelined loop (``use_pipeline``), 2 the plain loop
+    with the scores ahead (``scores_ahead``, or the config's default where it can run), else 0.
+    ValueError if scores_ahead=True is asked for beside the pipelined loop, fp8_ds_mla rows or a
+    one-tile ring."""
+    pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
+    ahead = cfg.get("scores_ahead", False) if scores_ahead is None else scores_ahead
+    if ahead and (pipe or ds or cfg["num_stages"] < 2):
+        if scores_ahead:
+            raise ValueError("mla_decode_fp8_gluon: scores_ahead=True needs the plain loop (pipeline off), "
+                             f"num_stages >= 2 and a per-tensor pool; got pipeline={pipe}, "
+                             f"num_stages={cfg['num_stages']}, fp8_ds_mla={ds}")
+        ahead = False
+    return 2 if ahead else int(pipe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -908,14 +923,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
-    pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
-    ahead = cfg.get("scores_ahead", False) if scores_ahead is None else scores_ahead
-    if ahead and (pipe or ds or cfg["num_stages"] < 2):
-        if scores_ahead:
-            raise ValueError("mla_decode_fp8_gluon: scores_ahead=True needs the plain loop (pipeline off), "
-                             f"num_stages >= 2 and a per-tensor pool; got pipeline={pipe}, "
-                             f"num_stages={cfg['num_stages']}, kv_layout={kv_layout!r}")
-        ahead = False
+    pipe = loop_mode(cfg, block_h, sparse, ds, precision, pipeline, scores_ahead)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
@@ -936,7 +944,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=2 if ahead else int(pipe), num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out
