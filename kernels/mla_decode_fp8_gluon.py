@@ -738,7 +738,10 @@ def _scratch(size: int, alignment: int, stream):
 # and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
 # min_tiles / max_splits: the fewest tiles a split holds and the most splits a request gets when the
 # wave leaves room for more (default_num_splits).
-GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipeline=False)
+# scores_ahead: each next tile's score MMA issued before this tile's softmax (run 13a, fast, dense, 16 heads,
+# side by side: 64 x 8K 96.5 -> 88.9 us, 128 x 8K 174.5 -> 158.3, 32 x 32K 173.2 -> 157.2; one request
+# 13.9 -> 14.3). At 64 heads it spills and took 246.6 against 153.5: off there.
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipeline=False, scores_ahead=True)
 # 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM. A split may hold one
 # tile: at one request of 8K, 64 heads, 128 splits (one tile each) against 32 took accurate 36.0 us
 # against 42.7 and fast 19.3 against 22.9 (run 11a, gpu_gluon.py --accurate); at 128 heads (two head
@@ -786,11 +789,15 @@ def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str
 def loop_mode(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
               pipeline: bool | None = None, scores_ahead: bool | None = None) -> int:
     """The kernel's tile loop (``PIPE``): 1 the pipelined loop (``use_pipeline``), 2 the plain loop
-    with the scores ahead (``scores_ahead``, or the config's default where it can run), else 0.
+    with the scores ahead (``scores_ahead``, or the config's default for the fast precision on dense
+    pages where it can run: up to 16 heads), else 0.
     ValueError if scores_ahead=True is asked for beside the pipelined loop, fp8_ds_mla rows or a
     one-tile ring."""
     pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
-    ahead = cfg.get("scores_ahead", False) if scores_ahead is None else scores_ahead
+    if scores_ahead is None:  # the default where it was measured faster: fast, dense
+        ahead = cfg.get("scores_ahead", False) and precision == "fast" and not sparse
+    else:
+        ahead = scores_ahead
     if ahead and (pipe or ds or cfg["num_stages"] < 2):
         if scores_ahead:
             raise ValueError("mla_decode_fp8_gluon: scores_ahead=True needs the plain loop (pipeline off), "

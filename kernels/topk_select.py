@@ -383,8 +383,7 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
-               key_hist: torch.Tensor | None = None, count: str | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               key_hist: torch.Tensor | None = None, count: str | None = None) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -406,7 +405,6 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         (one atomic add a key into the part's counters) or "match" (GPU only: one atomic a distinct
         digit a warp, found by ``match.any``; tiles smaller than the CTA's threads count by "atomic");
         None: ``default_count``.
-    out : None, or the result's int32 [B, topk] tensor with contiguous rows (a view of a larger one).
 
     Returns
     -------
@@ -449,12 +447,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     if splits > 1 and B * splits > torch.cuda.get_device_properties(logits.device).multi_processor_count:
         raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the GPU's SMs; "
                          "they wait for each other, so all must be resident")
-    if out is None:
-        out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
-    elif out.dtype != torch.int32 or tuple(out.shape) != (B, topk) or out.device != logits.device \
-            or (B > 1 and out.stride() != (topk, 1)) or (topk > 1 and out.stride(1) != 1):
-        raise ValueError(f"out must be an int32 [{B}, {topk}] tensor of contiguous rows on {logits.device}, got "
-                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
     if B == 0:
         return out
     cap = T if T > topk else 1  # candidates per request: at most its context

@@ -268,49 +268,6 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
     return logits, slots
 
 
-_SIDE_STREAMS: dict = {}  # device -> the side stream that runs the chunked top-k
-
-
-def chunked_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
-                  chunks: int) -> torch.Tensor:
-    """Triton logits and Triton top-k with the batch cut into ``chunks`` runs of requests: on a GPU
-    the top-k of one run goes to a side stream while the logits kernel scores the next, so the
-    top-k's latency-bound passes share the SMs with the logits' DRAM-bound reads; only the last
-    run's top-k is left exposed. Same slots as ``select_tokens(logits_triton(...), topk_impl="triton")``
-    (int32 [B, index_topk]); on a CPU the runs go one after another. The top-ks of one call stay
-    ordered on the side stream (they share the device's barrier counts)."""
-    from .kernels.index_logits import index_logits
-    from .kernels.topk_select import topk_select
-
-    _check_index_topk(index_topk)
-    B = batch.batch_size
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= max(B, 1):
-        raise ValueError(f"chunks={chunks!r}: must be an integer in 1..{max(B, 1)} (the batch's requests)")
-    dev = batch.kv_lens.device
-    slots = torch.empty(B, index_topk, dtype=torch.int32, device=dev)
-    cuda = dev.type == "cuda"
-    main = torch.cuda.current_stream(dev) if cuda else None
-    side = _SIDE_STREAMS.setdefault(dev, torch.cuda.Stream(dev)) if cuda else None
-    k_idx, k_scale = cache.k_idx(layer), cache.k_scale(layer)
-    for c in range(chunks):
-        b0, b1 = c * B // chunks, (c + 1) * B // chunks
-        lens = batch.kv_lens[b0:b1]
-        indptr = batch.kv_indptr[b0:b1 + 1]
-        n = max(batch.lens_host[b0:b1])
-        logits = index_logits(q_idx[b0:b1], weights[b0:b1], k_idx, k_scale, indptr, batch.kv_indices, lens,
-                              batch.page_size, n)
-        if not cuda:
-            topk_select(logits, lens, indptr, batch.kv_indices, batch.page_size, index_topk, out=slots[b0:b1])
-            continue
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            topk_select(logits, lens, indptr, batch.kv_indices, batch.page_size, index_topk, out=slots[b0:b1])
-        logits.record_stream(side)
-    if cuda:
-        main.wait_stream(side)
-    return slots
-
-
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
     from .kernels.topk_select import topk_select
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # labkit from a
 import torch  # noqa: E402
 
 from labkit import config, envinfo, kvpool, timing  # noqa: E402
-from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, chunked_slots, logits_and_slots, logits_triton,  # noqa: E402
+from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_and_slots, logits_triton,  # noqa: E402
                             positions_of, quantize_index_keys, quantize_index_query, select_tokens, token_ids)
 from labkit.kernels.topk_select import auto_splits, topk_select  # noqa: E402
 
@@ -41,7 +41,6 @@ SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 1310
 SMALL = [(1, 512), (2, 2048)]  # --small: the interpreter's sizes
 TARGET_US = {(1, 32768): 20.0, (64, 32768): 110.0}  # logits + top-k, per layer
 PAGE = 64
-CHUNKS = (2, 4, 8)  # chunked_slots: runs of requests whose top-k overlaps the next run's logits
 TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past the SM count are refused)
     "one": dict(splits=1), "one_w16": dict(splits=1, num_warps=16), "s2": dict(splits=2), "s8": dict(splits=8),
     "w4": dict(num_warps=4), "w16": dict(num_warps=16), "db4": dict(digit_bits=4), "db4_w16": dict(digit_bits=4, num_warps=16),
@@ -84,10 +83,6 @@ class Case:
     def fused(self, layer: int) -> torch.Tensor:
         """Logits and top-k, the first radix round counted by the logits kernel: the slots."""
         return logits_and_slots(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, self.topk)[1]
-
-    def chunked(self, layer: int, chunks: int) -> torch.Tensor:
-        """Logits and top-k by runs of requests, each run's top-k on a side stream (chunked_slots)."""
-        return chunked_slots(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, self.topk, chunks)
 
     def torch_topk(self, logits) -> torch.Tensor:
         return select_tokens(logits, self.batch, self.topk, check=False, topk_impl="torch")
@@ -136,9 +131,6 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
         row["agree"] = agreement(case, case.triton_topk(L[0]), L[0])
         row["agree_fused"] = agreement(case, case.fused(0), L[0])
         row["requests"] = B
-        chunkings = [c for c in CHUNKS if 1 < c <= B]
-        for c in chunkings:
-            row[f"agree_chunk{c}"] = agreement(case, case.chunked(0, c), L[0])
         t = {
             "logits_us": lambda i: case.index(i),
             "torch_topk_us": lambda i: torch.topk(L[i], case.topk, dim=1, sorted=False),
@@ -147,7 +139,6 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
             "total_torch_us": lambda i: case.torch_topk(case.index(i)),
             "total_triton_us": lambda i: case.triton_topk(case.index(i)),
             "total_fused_us": lambda i: case.fused(i),
-            **{f"total_chunk{c}_us": (lambda i, c=c: case.chunked(i, c)) for c in chunkings},
         }
         for name, fn in t.items():
             row[name] = graph_us(fn, a)
@@ -185,9 +176,7 @@ def table(rows) -> str:
     cols = [("batch", "B", "%d"), ("context", "ctx", "%d"), ("tuning", "tuning", "%s"), ("agree", "ok", "%d"),
             ("logits_us", "logits", "%.1f"), ("torch_topk_us", "topk", "%.1f"), ("torch_select_us", "t.sel", "%.1f"),
             ("triton_topk_us", "triton", "%.1f"), ("total_torch_us", "tot.t", "%.1f"),
-            ("total_triton_us", "tot.tri", "%.1f"), ("total_fused_us", "fused", "%.1f"),
-            ("total_chunk2_us", "chunk2", "%.1f"), ("total_chunk4_us", "chunk4", "%.1f"),
-            ("total_chunk8_us", "chunk8", "%.1f"), ("target_us", "target", "%.0f"),
+            ("total_triton_us", "tot.tri", "%.1f"), ("total_fused_us", "fused", "%.1f"), ("target_us", "target", "%.0f"),
             ("splits", "spl", "%d")]
     lines = [" ".join(f"{h:>8}" for _, h, _ in cols)]
     for r in rows:

@@ -291,11 +291,13 @@ def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
 
 def test_loop_mode():
     """The kernel's loop by rule: plain (0), pipelined (1, the 17-32-head fast default), scores ahead
-    (2, asked for); scores_ahead=True beside the pipelined loop, fp8_ds_mla or a one-tile ring refused."""
+    (2, the <= 16-head fast dense default, or asked for); scores_ahead=True beside the pipelined loop,
+    fp8_ds_mla or a one-tile ring refused."""
     def mode(H, sparse=False, ds=False, precision="fast", pipeline=None, scores_ahead=None, **kw):
         block_h, _, cfg = G.block_config(H)
         return G.loop_mode({**cfg, **kw}, block_h, sparse, ds, precision, pipeline, scores_ahead)
-    assert [mode(h) for h in (16, 32, 64)] == [0, 1, 0] and mode(32, precision="accurate") == 0
+    assert [mode(h) for h in (8, 16, 32, 64)] == [2, 2, 1, 0] and mode(32, precision="accurate") == 0
+    assert mode(16, precision="accurate") == 0 and mode(16, sparse=True) == 0 and mode(16, scores_ahead=False) == 0
     assert mode(64, scores_ahead=True) == 2 and mode(32, pipeline=False, scores_ahead=True) == 2
     assert mode(16, scores_ahead=True, sparse=True) == 2 and mode(16, num_stages=1) == 0
     for kw, why in [(dict(H=32), "pipeline=True"), (dict(H=64, sparse=True, ds=True), "fp8_ds_mla=True"),

@@ -17,7 +17,7 @@ import torch
 from labkit import config, kvpool, reference
 from labkit import indexer as indexer_module
 from labkit.indexer import (INDEX_PAGE, Indexer, check_slots, index_bytes, index_flops, index_page_bytes,
-                            chunked_slots, logits_and_slots, quantize_index_keys, random_index_cache, select_tokens)
+                            logits_and_slots, quantize_index_keys, random_index_cache, select_tokens)
 from labkit.kernels.index_logits import index_logits
 
 TINY = config.load_model("tiny")
@@ -160,22 +160,6 @@ def test_logits_and_slots_first_round_from_the_logits_kernel(page_size, poisoned
     index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr, b.kv_indices,
                  b.kv_lens, page_size, b.max_len, block_t=32, key_hist=kh)
     assert torch.equal(kh.long(), _top_bytes(logits, lens))
-
-
-@pytest.mark.parametrize("chunks", [1, 2, 3])
-def test_chunked_slots_match_the_kernels_apart(chunks):
-    """Logits and top-k by runs of requests (the GPU overlaps them on two streams): the same slots, in
-    the same order, as the logits kernel and the top-k over the whole batch (ragged lengths, one
-    request shorter than top-k, page size 16); a run count the batch cannot hold is refused."""
-    lens, topk = [300, 20, 129, 700], 32
-    ix = _case(16, lens, layers=2, seed=33, topk=topk)
-    b = ix.batch
-    want = select_tokens(ix.logits(1, "triton"), b, topk, topk_impl="triton")
-    got = chunked_slots(ix.q_idx[1], ix.weights[1], ix.cache, 1, b, topk, chunks)
-    assert torch.equal(got, want)
-    for bad in (0, 5, 2.0):
-        with pytest.raises(ValueError, match=rf"chunks={bad!r}: must be an integer in 1..4"):
-            chunked_slots(ix.q_idx[1], ix.weights[1], ix.cache, 1, b, topk, bad)
 
 
 def test_logits_follow_token_ids_not_pages():
@@ -346,8 +330,3 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
     assert torch.equal(fused_logits, got)
     assert torch.equal(fused, select_tokens(got, b, cfg.index_topk, topk_impl="triton"))
     assert not indexer_module._KEY_HISTS[b.kv_lens.device].any()
-    # by runs of requests, each run's top-k on a side stream: the same sets (splits differ per run)
-    for chunks in (2, 3):
-        slots = chunked_slots(ix.q_idx[0], ix.weights[0], ix.cache, 0, b, cfg.index_topk, chunks)
-        torch.cuda.synchronize()
-        _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
