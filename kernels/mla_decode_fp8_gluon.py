@@ -34,8 +34,8 @@ so that V never goes through shared memory a second time:
 * Pipelined loop (``PIPE``, ``use_pipeline``: the fast precision's default at 17-32 heads, dense):
   a tile's score MMA, then the previous tile's p @ V, both issued before this tile's softmax, which
   runs under them; p in two buffers. At 16 and 64 heads it was slower (run 12: spills, a refill one
-  tile later), so the plain chain stays there. ``scores_ahead`` (``PIPE`` 2): the plain chain with
-  each next tile's score MMA issued first (built, not yet measured on a GPU; off by default).
+  tile later), so the plain chain stays there. (Issuing only the next tile's score MMA ahead of
+  the softmax in the plain chain gained nothing at 16 heads and spilled at 64: run 13b.)
 * precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
   the same accumulators; twice the MMAs, V unchanged.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:
@@ -410,25 +410,6 @@ if HAS_GLUON:
         return m_i, l_i, acc
 
     @gluon.jit
-    def _ahead_step(descs, ring, split, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i, l_i, acc, s,
-                    HAS_NEXT: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr,
-                    BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
-        """One tile with the next tile's score MMA issued first, so that it runs under this tile's
-        softmax and p @ V (``PIPE`` 2); p @ V waited here as in ``_tile``. On entry s holds this
-        tile's scores (done); returns the next tile's (done)."""
-        if HAS_NEXT:  # sparse: tiles up to tile + NUM_STAGES - 1 are committed; tile + 1 must have landed
-            _wait_tile(ring, tile + 1, NUM_STAGES, SPARSE, NUM_STAGES - 2)
-            s_next = _issue_scores(ring, qn_smem, qp_smem, tile + 1, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
-        v = ring[0].index(tile % NUM_STAGES).load(_v_layout(NUM_WARPS))
-        _cta_barrier()  # every warp has read this slot's V (its scores are done): refill it
-        _refill(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE, NUM_WARPS, SPARSE)
-        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
-        acc = _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)  # its wait retires the next scores too
-        if HAS_NEXT:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-        return m_i, l_i, acc, s
-
-    @gluon.jit
     def _gather_ds(ring, ds_ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """``_gather`` for 656-byte fp8_ds_mla rows: 512 e4m3 NoPE values into the ckv ring, the 64
         bf16 RoPE values and the 4 fp32 group scales into their own rings (-1 slots: zeros)."""
@@ -549,7 +530,7 @@ if HAS_GLUON:
         SPARSE: gl.constexpr,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
-        PIPE: gl.constexpr = 0,  # 1: the pipelined loop (_pipe_step); 2: the next tile's scores ahead (_ahead_step)
+        PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -575,7 +556,7 @@ if HAS_GLUON:
             qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], rope_sl)
         else:
             qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, BLOCK_H, 64], kpe_sl)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ if PIPE == 1 else NQ, BLOCK_H, 64], kpe_sl)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ if PIPE else NQ, BLOCK_H, 64], kpe_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -658,21 +639,7 @@ if HAS_GLUON:
                 m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope,
                                          m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
             async_copy.wait_group(0)
-        elif PIPE == 2:  # the last tile always masked (a full one loses nothing); sparse: every tile
-            if n_tiles > 0:
-                _wait_tile(ring, 0, NUM_STAGES, SPARSE, NUM_STAGES - 1)
-                s = _issue_scores(ring, qn_smem, qp_smem, 0, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                for tile in range(0, n_tiles - 1):
-                    m_i, l_i, acc, s = _ahead_step(descs, ring, split_, p_smem, qn_smem, qp_smem, tile, qk_scale, m_i,
-                                                   l_i, acc, s, True, SPARSE, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS,
-                                                   SPARSE, SPLIT)
-                m_i, l_i, acc, s = _ahead_step(descs, ring, split_, p_smem, qn_smem, qp_smem, n_tiles - 1, qk_scale,
-                                               m_i, l_i, acc, s, False, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS,
-                                               SPARSE, SPLIT)
-            if SPARSE:
-                async_copy.wait_group(0)
-        elif PIPE == 1:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
+        elif PIPE:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
             if n_tiles > 0:
                 m_i, l_i, acc = _pipe_step(descs, ring, split_, p_smem, qn_smem, qp_smem, 0, qk_scale, m_i, l_i, acc,
                                            False, True, NUM_STAGES, PAGE, BLOCK_H, NUM_WARPS, SPARSE, SPLIT)
@@ -738,10 +705,7 @@ def _scratch(size: int, alignment: int, stream):
 # and 32 heads, and within 3% of the best (one CTA, 2-3 tiles) at 64 x 8K.
 # min_tiles / max_splits: the fewest tiles a split holds and the most splits a request gets when the
 # wave leaves room for more (default_num_splits).
-# scores_ahead: each next tile's score MMA issued before this tile's softmax (run 13a, fast, dense, 16 heads,
-# side by side: 64 x 8K 96.5 -> 88.9 us, 128 x 8K 174.5 -> 158.3, 32 x 32K 173.2 -> 157.2; one request
-# 13.9 -> 14.3). At 64 heads it spills and took 246.6 against 153.5: off there.
-GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipeline=False, scores_ahead=True)
+GPU_CONFIG = dict(num_stages=2, ctas_per_sm=2, min_tiles=4, max_splits=64, pipeline=False)
 # 64 heads a CTA (8 warps, 144 KB of shared memory at 3 stages): one CTA per SM. A split may hold one
 # tile: at one request of 8K, 64 heads, 128 splits (one tile each) against 32 took accurate 36.0 us
 # against 42.7 and fast 19.3 against 22.9 (run 11a, gpu_gluon.py --accurate); at 128 heads (two head
@@ -784,27 +748,6 @@ def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str
     if pipeline and cfg["num_stages"] < 2:
         raise ValueError(f"mla_decode_fp8_gluon: pipeline=True needs num_stages >= 2, got {cfg['num_stages']}")
     return bool(pipeline)
-
-
-def loop_mode(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
-              pipeline: bool | None = None, scores_ahead: bool | None = None) -> int:
-    """The kernel's tile loop (``PIPE``): 1 the pipelined loop (``use_pipeline``), 2 the plain loop
-    with the scores ahead (``scores_ahead``, or the config's default for the fast precision on dense
-    pages where it can run: up to 16 heads), else 0.
-    ValueError if scores_ahead=True is asked for beside the pipelined loop, fp8_ds_mla rows or a
-    one-tile ring."""
-    pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
-    if scores_ahead is None:  # the default where it was measured faster: fast, dense
-        ahead = cfg.get("scores_ahead", False) and precision == "fast" and not sparse
-    else:
-        ahead = scores_ahead
-    if ahead and (pipe or ds or cfg["num_stages"] < 2):
-        if scores_ahead:
-            raise ValueError("mla_decode_fp8_gluon: scores_ahead=True needs the plain loop (pipeline off), "
-                             f"num_stages >= 2 and a per-tensor pool; got pipeline={pipe}, "
-                             f"num_stages={cfg['num_stages']}, fp8_ds_mla={ds}")
-        ahead = False
-    return 2 if ahead else int(pipe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -871,8 +814,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
-                         pipeline: bool | None = None, block_h: int | None = None,
-                         scores_ahead: bool | None = None):
+                         pipeline: bool | None = None, block_h: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -897,8 +839,6 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
-    scores_ahead : the plain loop with each next tile's score MMA issued before this tile's softmax
-        (not with ``pipeline``; num_stages >= 2; not fp8_ds_mla); None: the config's default.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -930,7 +870,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
-    pipe = loop_mode(cfg, block_h, sparse, ds, precision, pipeline, scores_ahead)
+    pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)

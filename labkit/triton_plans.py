@@ -201,7 +201,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
-                      PIPE=G.loop_mode(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
+                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         (kv, kv32, kv16), k_scale = views[layer], scales[layer]

@@ -26,7 +26,7 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             # the score MMA of each tile issued before the previous tile's softmax (pipeline=True), and not
             "pipe": dict(pipeline=True), "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
             "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False),
-            "ahead": dict(scores_ahead=True, pipeline=False), "noahead": dict(scores_ahead=False)}  # the next tile's score MMA issued first
+}
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 # precision="accurate": the FP8 MMA accumulator's error grows with a split's length (labkit.mma_model);
@@ -39,9 +39,7 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "pipe_s3_c1": dict(pipeline=True, num_stages=3, ctas_per_sm=1),
                 "bh32": dict(block_h=32), "bh64": dict(block_h=64), "fast_bh64": dict(precision="fast", block_h=64),
                 "fast_nopipe": dict(precision="fast", pipeline=False),
-                "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64),
-                "ahead": dict(scores_ahead=True), "fast_ahead": dict(precision="fast", scores_ahead=True),
-                "fast_noahead": dict(precision="fast", scores_ahead=False)}
+                "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
 ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128")

@@ -31,11 +31,11 @@ PTRS = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", rope_ptr="*
 
 
 def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False, split: bool = False,
-                 ds: bool = False, pipe: int = 0):
+                 ds: bool = False, pipe: bool = False):
     fn = G._mla_decode_fp8_gluon_kernel
     num_warps = 8 if block_h == G.WIDE_HEADS else 4
     consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
-                  DS=int(ds), PIPE=int(pipe))  # 1: pipelined loop, 2: scores ahead
+                  DS=int(ds), PIPE=int(pipe))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -69,8 +69,7 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="the sparse (token slots) variant")
     ap.add_argument("--accurate", action="store_true", help="precision='accurate': q and p as two e4m3 terms")
     ap.add_argument("--ds", action="store_true", help="sparse on fp8_ds_mla rows (656 bytes)")
-    ap.add_argument("--pipe", type=int, nargs="?", const=1, default=0,
-                    help="1 (or bare): the pipelined tile loop (pipeline=True); 2: scores_ahead=True")
+    ap.add_argument("--pipe", action="store_true", help="the pipelined tile loop (pipeline=True)")
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
     st, sass = stats(compile_sm90(a.block_h, a.stages, sparse=a.sparse, split=a.accurate, pipe=a.pipe, ds=a.ds))
