@@ -10,9 +10,7 @@ products are FP8 x FP8 with fp32 accumulation. Positions map to tokens through t
 keys through 64-token index pages: page t // 64, row t % 64, the page being a 64 x D FP8 block
 followed by 64 fp32 scales. A program scores BLOCK_T positions of one request for all heads with
 one FP8 ``tl.dot`` (tokens as M, heads as N), TILES such tiles in a software-pipelined loop (the
-query read once per program); positions past a request's length get -inf. With ``key_hist`` it
-also counts, per request, the top byte of each logit's radix key for ``topk_select`` (its first
-round then needs no pass over the logits).
+query read once per program); positions past a request's length get -inf.
 
 Bytes moved per context token: D + 4 read (132 for D = 128), 4 B of page table per page_size
 tokens, 4 written; q and weights once per program. FLOPs: 2 * H * D per token (+ 3 * H for the
@@ -24,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import _check, _key, check_key_hist
+from .topk_select import _check
 
 INDEX_PAGE = 64  # tokens per index-key page
 
@@ -39,7 +37,6 @@ def _index_logits_kernel(
     indices_ptr,  # *i32 [nnz] KV page ids
     lens_ptr,  # *i32 [B]
     out_ptr,  # *f32 [B, max_len]
-    key_hist_ptr,  # HIST: *i32 [B, 256], += how many of the request's logits have each top key byte
     max_len,
     stride_kp,  # elements (bytes) between index pages in k_ptr
     stride_sp,  # fp32 elements between index pages in s_ptr
@@ -50,7 +47,6 @@ def _index_logits_kernel(
     BLOCK_T: tl.constexpr,
     TILES: tl.constexpr,  # tiles of BLOCK_T positions per program
     NUM_STAGES: tl.constexpr,  # their loads in flight (tl.range's software pipelining)
-    HIST: tl.constexpr,  # count the logits' top key bytes for the top-k (topk_select's key_hist)
 ):
     pid_t, b = tl.program_id(0), tl.program_id(1)
     n = tl.load(lens_ptr + b)
@@ -61,8 +57,6 @@ def _index_logits_kernel(
     w = tl.load(w_ptr + b * H_PAD + h)  # [H_PAD] f32
     t0 = pid_t * TILES
     live = tl.minimum(tl.maximum(tl.cdiv(n, BLOCK_T) - t0, 0), TILES)  # tiles that hold context
-    if HIST:
-        counts = tl.zeros([256], tl.int32)
     for t in tl.range(0, live, num_stages=NUM_STAGES):
         pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
         pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
@@ -75,10 +69,6 @@ def _index_logits_kernel(
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
         logit = tl.where(pos < n, logit, float("-inf"))
         tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
-        if HIST:
-            counts += tl.histogram((_key(logit) >> 24) & 255, 256, mask=pos < n)
-    if HIST:  # one atomic per byte value present, not per logit
-        tl.atomic_add(key_hist_ptr + b * 256 + tl.arange(0, 256), counts, mask=counts > 0)
     for t in range(live, TILES):  # tiles wholly past this request's context (a longer one sets the grid)
         pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)
         tl.store(out_ptr + b * max_len + pos, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pos < max_len)
@@ -99,7 +89,7 @@ def auto_tiles(batch: int, max_len: int, block_t: int, device) -> int:
 
 def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, page_size: int,
                  max_len: int, *, block_t: int = 64, tiles: int | None = None, num_stages: int | None = None,
-                 num_warps: int = 4, key_hist: torch.Tensor | None = None) -> torch.Tensor:
+                 num_warps: int = 4) -> torch.Tensor:
     """Indexer logits of a decode batch, read straight from the paged FP8 index cache.
 
     Parameters
@@ -114,10 +104,6 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     page_size : KV page size (a power of two); max_len : max(kv_lens), known on the host.
     block_t, tiles, num_stages, num_warps : tuning (positions per tile, a power of two >= 16; tiles
         per program, None: ``auto_tiles``; tiles in flight, None: 2, or 1 with one tile; warps).
-    key_hist : None, or int32 [>= B, 256], zero where ``topk_select`` will read it: the kernel adds,
-        per request, how many of its logits have each top byte of their radix key, so that the top-k
-        reads its first round instead of making a pass (``topk_select(..., key_hist=)``, which zeroes
-        the rows again).
 
     Returns
     -------
@@ -159,14 +145,11 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= 256:
         raise ValueError(f"tiles={tiles!r}: must be an integer in 1..256, or None")
     num_stages = (2 if tiles > 1 else 1) if num_stages is None else num_stages
-    if key_hist is not None:
-        check_key_hist(key_hist, B, q_idx.device)
     grid = (triton.cdiv(max_len, block_t * tiles), B)
     _index_logits_kernel[grid](
-        q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, out if key_hist is None else key_hist, max_len,
+        q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
         k_idx.stride(0), k_scale.stride(0),
         PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, TILES=tiles, NUM_STAGES=num_stages,
-        HIST=key_hist is not None,
         num_warps=num_warps,
     )
     return out

@@ -25,16 +25,10 @@ does not depend on timing). Program 0 waits for the others and finishes the cand
 programs of a request spin on each other, so all must be resident at once: B * splits is at most
 the SM count (``auto_splits``), and the interpreter (one program after another) takes splits = 1.
 
-First round from the logits kernel (``key_hist``). The first round's counts (how many keys of the
-row have each top byte) can come from ``index_logits(key_hist=)``, which has every logit in
-registers as it writes it: the round then needs no pass over the row and no barrier, and the next
-round's pass also counts each part's keys above the first digit (their offsets need them).
-
 Counting (``count``). ``tl.histogram`` costs about 2.7 warp-instructions a key on sm_90 (8 ballots,
 then a popc per bin a lane owns; 1388 instructions a 4096-key tile of the first round). "atomic" adds
-each key to the part's counters in global memory (a RED a key: 436 a tile), "match" adds one
-count a distinct digit a warp (PTX match.any, the group's lowest lane adds its size: 519 a tile), so
-that the few hot bins of the top byte (the logits' exponents) do not serialize 32 adds a warp.
+each key to the part's counters in global memory (a RED a key: 436 a tile); fewer instructions, but
+each add is an L2 round trip on the few bins the logits' exponents hit (``default_count``).
 
 Bytes per request of n > topk positions: 4 n read 16 / DB + 1 times (after the first, mostly from
 L2: the logits kernel has just written them), 8 B per candidate written and read up to three
@@ -49,18 +43,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _key(x):
-    """int32 keys of float32 logits whose unsigned order (bit 31 highest) is the float order; NaN
-    counts as -inf; -0.0 and +0.0 give the same key."""
+def _ukey(ptr, mask):
+    """int32 keys of the float32 logits at ``ptr`` whose unsigned order (bit 31 highest) is the
+    float order; NaN and masked lanes read as -inf; -0.0 and +0.0 give the same key."""
+    x = tl.load(ptr, mask=mask, other=float("-inf"))
     x = tl.where(x == x, x, float("-inf"))
     b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) | -2147483648)  # positive: flip the sign bit; negative: flip every bit
-
-
-@triton.jit
-def _ukey(ptr, mask):
-    """``_key`` of the logits at ``ptr``; masked lanes read as -inf."""
-    return _key(tl.load(ptr, mask=mask, other=float("-inf")))
 
 
 @triton.jit
@@ -74,47 +63,22 @@ def _digit(hist, r, NB: tl.constexpr):
 
 
 @triton.jit
-def _match_any(d):
-    """PTX match.any over the warp: per lane, the mask of lanes whose d equals its own (sm_70+)."""
-    return tl.inline_asm_elementwise("match.any.sync.b32 $0, $1, 0xffffffff;", "=r,r", [d], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _first_of(m, d):
-    """Whether this lane is the lowest of the lanes in mask m, and popc(m)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 lt; .reg .pred p; mov.u32 lt, %lanemask_lt; and.b32 lt, lt, $2; setp.eq.u32 p, lt, 0; "
-        "selp.u32 $0, 1, 0, p; popc.b32 $1, $2; }", "=r,=r,r,r", [m, d], dtype=(tl.int32, tl.int32),
-        is_pure=True, pack=1)
-
-
-@triton.jit
 def _count(hist, cnt, digit, ok, NB: tl.constexpr, COUNT: tl.constexpr):
     """Add the digits of the ok lanes: into hist (COUNT 0, tl.histogram: a ballot per digit bit and a
-    popc per bin a lane owns), or into the int32 counters at cnt, one atomic a key (COUNT 1) or one a
-    distinct digit a warp (COUNT 2: match.any, then the lowest lane of each group adds its size)."""
+    popc per bin a lane owns), or into the int32 counters at cnt, one atomic a key (COUNT 1)."""
     if COUNT == 0:
         hist += tl.histogram(digit, NB, mask=ok)
-    elif COUNT == 1:
-        tl.atomic_add(cnt + digit, 1, mask=ok, sem="relaxed")
     else:
-        d = tl.where(ok, digit, -1)  # lanes out of the count only match each other
-        first, size = _first_of(_match_any(d), d)
-        tl.atomic_add(cnt + digit, size, mask=ok & (first != 0), sem="relaxed")
+        tl.atomic_add(cnt + digit, 1, mask=ok, sem="relaxed")
     return hist
 
 
 @triton.jit
 def _row_hist(row, p0, p1, prefix, cnt, SHIFT: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
-              ABOVE: tl.constexpr = False, COUNT: tl.constexpr = 0):
-    """Histogram of the DB-bit digit at SHIFT of row[p0:p1]'s keys whose bits above it equal prefix's;
-    with ABOVE also how many keys have those bits larger than prefix's (the keys this part writes as
-    slots because of the rounds before), else 0. COUNT > 0 (``_count``): counted into this part's
-    zeroed counters at cnt, then read back."""
-    MASK: tl.constexpr = (1 << (32 - SHIFT - DB)) - 1
+              COUNT: tl.constexpr):
+    """Histogram of the DB-bit digit at SHIFT of row[p0:p1]'s keys whose bits above it equal prefix's.
+    COUNT 1 (``_count``): counted into this part's zeroed counters at cnt, then read back."""
     hist = tl.zeros([1 << DB], tl.int32)
-    above = tl.zeros([BLOCK], tl.int32)
     i = p0 + tl.arange(0, BLOCK)
     uk = _ukey(row + i, i < p1)
     for s in range(p0, p1, BLOCK):
@@ -122,17 +86,13 @@ def _row_hist(row, p0, p1, prefix, cnt, SHIFT: tl.constexpr, DB: tl.constexpr, B
         nxt = s + BLOCK + tl.arange(0, BLOCK)
         uk_next = _ukey(row + nxt, nxt < p1)  # the next tile loads while this one is counted
         if SHIFT + DB < 32:
-            match = ((uk ^ prefix) >> (SHIFT + DB)) == 0
-            if ABOVE:
-                high = (uk >> (SHIFT + DB)) & MASK
-                above += (ok & ~match & (high > ((prefix >> (SHIFT + DB)) & MASK))).to(tl.int32)
-            ok = ok & match
+            ok = ok & (((uk ^ prefix) >> (SHIFT + DB)) == 0)
         hist = _count(hist, cnt, (uk >> SHIFT) & ((1 << DB) - 1), ok, 1 << DB, COUNT)
         uk = uk_next
     if COUNT > 0:
         tl.debug_barrier()  # every thread's atomics are done (performed in L2): read the counters back
         hist = tl.load(cnt + tl.arange(0, 1 << DB), cache_modifier=".cg")
-    return hist, tl.sum(above, 0)
+    return hist
 
 
 @triton.jit
@@ -237,17 +197,14 @@ def _take(ckey, cslot, m, r, o, CB: tl.constexpr):
 
 
 @triton.jit
-def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, key_hist,
-                       topk, chunk, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
-                       SPLITS: tl.constexpr, SP: tl.constexpr, KEY_HIST: tl.constexpr, COUNT: tl.constexpr):
+def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, topk, chunk,
+                       PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
+                       SPLITS: tl.constexpr, SP: tl.constexpr, COUNT: tl.constexpr):
     """Program (b, p): positions [p * chunk, (p + 1) * chunk) of request b. With SPLITS > 1 the
     programs of a request meet at a barrier after each round (every program sums the round's
     histograms, hist [B, rounds, SPLITS, 2^DB] int32, so all take the same digit) and after the
-    compaction, where program 0 waits and finishes the request. KEY_HIST (DB = 8): round 0 reads
-    key_hist [B, 256], the row's top bytes counted by the index-logits kernel, with no pass and no
-    barrier; round 1 also counts each part's keys above round 0's digit (its offsets need them);
-    program 0 sets the request's counts back to zero once every part has read them. COUNT > 0: the
-    row rounds count by atomics (``_count``) into this part's slices of hist, zeroed here first."""
+    compaction, where program 0 waits and finishes the request. COUNT > 0: the row rounds count by
+    atomics (``_count``) into this part's slices of hist, zeroed here first."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     n = tl.load(lens + b)
@@ -260,8 +217,6 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
             for s in range(0, topk, BLOCK):
                 j = s + tl.arange(0, BLOCK)
                 tl.store(o + j, tl.where(j < n, _slot(pages, j, j < n, PAGE), -1), mask=j < topk)
-            if KEY_HIST:  # counted by the logits kernel, read by nobody: zero for the next call
-                tl.store(key_hist + b * 256 + tl.arange(0, 256), tl.zeros([256], tl.int32))
     elif p * chunk < n:
         row = logits + b * stride_l
         n_prog = tl.cdiv(n, chunk)  # programs with a part of this row; the others have left
@@ -272,39 +227,24 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
         prefix = n * 0  # the top bits of the k-th key found so far
         r = topk + n * 0  # its rank among the keys that share them
         tops = tl.zeros([SP], tl.int32)  # per program: its keys above the prefix so far
-        FIRST: tl.constexpr = 1 if KEY_HIST else 0  # rounds that need no pass and no barrier
-        if COUNT > 0:  # this part's counters of every counted round start at zero
-            for zr in tl.static_range(FIRST, ROUNDS):
+        if COUNT > 0:  # this part's counters of every round start at zero
+            for zr in tl.static_range(ROUNDS):
                 tl.store(hist + ((b * ROUNDS + zr) * SPLITS + p) * NB + bins, tl.zeros([NB], tl.int32))
             tl.debug_barrier()
         for rnd in tl.static_range(ROUNDS):
-            if rnd < FIRST:
-                d, r, m = _digit(tl.load(key_hist + b * NB + bins), r, NB)
+            hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
+            h = _row_hist(row, p0, p1, prefix, hb + p * NB, 32 - DB * (rnd + 1), DB, BLOCK, COUNT)
+            if SPLITS > 1:
+                if COUNT == 0:  # else the atomics have put them there
+                    tl.store(hb + p * NB + bins, h)
+                _arrive(bar + b)
+                _wait(bar + b, (rnd + 1) * n_prog)
+                hq = tl.load(hb + q[:, None] * NB + bins[None, :], mask=q[:, None] < n_prog, other=0,
+                             cache_modifier=".cg")
             else:
-                hb = hist + ((b * ROUNDS + rnd) * SPLITS) * NB
-                # round FIRST > 0 also counts the keys above round 0's digit
-                h, above = _row_hist(row, p0, p1, prefix, hb + p * NB, 32 - DB * (rnd + 1), DB, BLOCK,
-                                     rnd == FIRST and FIRST > 0, COUNT)
-                if rnd == FIRST and FIRST > 0 and SPLITS > 1:
-                    tl.store(hist + (b * ROUNDS * SPLITS + p) * NB, above)  # round 0's unused slot
-                if SPLITS > 1:
-                    if COUNT == 0:  # else the atomics have put them there
-                        tl.store(hb + p * NB + bins, h)
-                    _arrive(bar + b)
-                    _wait(bar + b, (rnd + 1 - FIRST) * n_prog)
-                    hq = tl.load(hb + q[:, None] * NB + bins[None, :], mask=q[:, None] < n_prog, other=0,
-                                 cache_modifier=".cg")
-                    if rnd == FIRST and FIRST > 0:
-                        tops += tl.load(hist + (b * ROUNDS * SPLITS + q) * NB, mask=q < n_prog, other=0,
-                                        cache_modifier=".cg")
-                else:
-                    hq = h[None, :]
-                    if rnd == FIRST and FIRST > 0:
-                        tops += above
-                if rnd == FIRST and FIRST > 0 and p == 0:  # every part has read the counts: zero them
-                    tl.store(key_hist + b * NB + bins, tl.zeros([NB], tl.int32))
-                d, r, m = _digit(tl.sum(hq, 0), r, NB)
-                tops += tl.sum(tl.where(bins[None, :] > d, hq, 0), 1)
+                hq = h[None, :]
+            d, r, m = _digit(tl.sum(hq, 0), r, NB)
+            tops += tl.sum(tl.where(bins[None, :] > d, hq, 0), 1)
             prefix = prefix | (d << (32 - DB * (rnd + 1)))
         cands = tl.sum(tl.where(bins[None, :] == d, hq, 0), 1)
         ck, cp = ckey + b * stride_c, cslot + b * stride_c
@@ -313,7 +253,7 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
         if SPLITS > 1:
             _arrive(bar + b)
             if p == 0:
-                _wait(bar + b, (ROUNDS + 1 - FIRST) * n_prog)
+                _wait(bar + b, (ROUNDS + 1) * n_prog)
                 _take(ck, cp, m, r, o + topk - r, CB)
                 tl.atomic_xchg(bar + b, 0)  # every program has arrived for the last time: reset for the next call
         else:
@@ -334,17 +274,17 @@ def _pow2(name, v, low):
 
 
 _BARRIERS: dict = {}  # device -> int32 barrier counts, zero between calls (the kernel resets them)
-COUNTS = {"histogram": 0, "atomic": 1, "match": 2}  # topk_select(count=): how the row rounds count
+COUNTS = {"histogram": 0, "atomic": 1}  # topk_select(count=): how the row rounds count
 
 
-def kept_zeros(store: dict, device, rows: int, *width: int) -> torch.Tensor:
-    """At least ``rows`` zeroed int32 rows (of ``width``) on ``device``, made once and kept in
+def kept_zeros(store: dict, device, rows: int) -> torch.Tensor:
+    """At least ``rows`` zeroed int32 counts on ``device``, made once and kept in
     ``store``: the kernel that reads them leaves them at zero, so a captured graph needs no memset
     (2.6 us a replay on the H200). Calls on one device must not overlap in time (one stream), or they
     would share them."""
     t = store.get(device)
     if t is None or t.shape[0] < rows:
-        t = store[device] = torch.zeros(max(rows, 64), *width, dtype=torch.int32, device=device)
+        t = store[device] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
     return t
 
 
@@ -353,20 +293,11 @@ def _barriers(device, n: int) -> torch.Tensor:
     return kept_zeros(_BARRIERS, device, n)
 
 
-def check_key_hist(key_hist, batch_size: int, device) -> None:
-    """key_hist as the logits and top-k kernels share it: int32 [>= B, 256], contiguous, on ``device``."""
-    k = key_hist
-    if not isinstance(k, torch.Tensor) or k.dtype != torch.int32 or k.dim() != 2 or k.shape[1] != 256 \
-            or k.shape[0] < batch_size or not k.is_contiguous() or k.device != torch.device(device):
-        raise ValueError(f"key_hist must be a contiguous int32 [>= {batch_size}, 256] tensor on {device}, got "
-                         f"{getattr(k, 'dtype', type(k).__name__)} {tuple(getattr(k, 'shape', ()))}")
-
-
 def default_count(batch_size: int) -> str:
     """How the row rounds count by default: "atomic" for one request (its row over up to 64
     programs: 12.8 / 14.3 / 18.8 us at 8K / 32K / 128K against 13.8 / 15.3 / 18.9 by histogram, H200
-    run 12a), "histogram" for more (64 x 32K: 47.8 us against 73.5 atomic and 52.5 match: each key's
-    atomic is an L2 round trip on the few counters the logits' exponents hit)."""
+    run 12a), "histogram" for more (64 x 32K: 47.8 us against 73.5 atomic: each key's atomic is an L2
+    round trip on the few counters the logits' exponents hit)."""
     return "atomic" if batch_size == 1 else "histogram"
 
 
@@ -383,7 +314,7 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
-               key_hist: torch.Tensor | None = None, count: str | None = None) -> torch.Tensor:
+               count: str | None = None) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -397,14 +328,8 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         most its SM count); block : logits per tile of the row passes; cand_block : candidates per
         tile (powers of two 16..32768); digit_bits : bits per radix round over the row (2, 4, 8);
         num_warps.
-    key_hist : None, or int32 [>= B, 256] on the logits' device: per request, how many of its logits'
-        keys have each top byte (``index_logits(..., key_hist=)`` counts them); the first round is
-        read from it instead of a pass over the row (digit_bits 8 only). Every row the call reads is
-        set back to zero.
-    count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``), "atomic"
-        (one atomic add a key into the part's counters) or "match" (GPU only: one atomic a distinct
-        digit a warp, found by ``match.any``; tiles smaller than the CTA's threads count by "atomic");
-        None: ``default_count``.
+    count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``) or "atomic"
+        (one atomic add a key into the part's counters); None: ``default_count``.
 
     Returns
     -------
@@ -429,16 +354,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     _pow2("cand_block", cand_block, 16)
     if digit_bits not in (2, 4, 8):
         raise ValueError(f"digit_bits={digit_bits!r}: must be 2, 4 or 8")
-    if key_hist is not None:
-        check_key_hist(key_hist, B, logits.device)
-        if digit_bits != 8:
-            raise ValueError(f"digit_bits={digit_bits}: key_hist counts top bytes, so it needs digit_bits=8")
     if count is None:
         count = default_count(B)
     if count not in COUNTS:
         raise ValueError(f"count={count!r}; allowed: {list(COUNTS)}")
-    if count == "match" and logits.device.type != "cuda":
-        raise ValueError("count='match' needs a GPU (PTX match.any); on a CPU use 'histogram' or 'atomic'")
     splits = auto_splits(B, T, logits.device) if splits is None else splits
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
         raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
@@ -458,12 +377,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     tile = min(block, triton.next_power_of_2(max(part, 16)))
     chunk = -(-part // tile) * tile
     bar = _barriers(dev, B) if splits > 1 else ckey
-    code = COUNTS[count] if count != "match" or tile >= 32 * num_warps else COUNTS["atomic"]  # match: no replicas
+    code = COUNTS[count]
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
-    fused = key_hist is not None  # the parts' counts above round 0's digit go to round 0's hist slots
     _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
-                                    hist, bar, key_hist if fused else ckey, topk, chunk, PAGE=page_size, BLOCK=tile,
-                                    CB=cand_block, DB=digit_bits, SPLITS=splits, SP=triton.next_power_of_2(splits),
-                                    KEY_HIST=fused, COUNT=code, num_warps=num_warps)
+                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
+                                    SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, num_warps=num_warps)
     return out

@@ -209,11 +209,6 @@ def default_topk_impl(device, max_len: int = 0, batch_size: int = 1) -> str:
     return "triton" if on_gpu and batch_size * max_len < TORCH_TOPK_MIN_TOKENS else "torch"
 
 
-def _check_index_topk(index_topk) -> None:
-    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
-        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-
-
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
                   topk_impl: str | None = None) -> torch.Tensor:
     """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
@@ -221,7 +216,8 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     tokens in context order, then -1. ``topk_impl``: "torch" (``torch.topk``), "triton"
     (labkit.kernels.topk_select; float64 logits are rounded to float32 first) or None
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
-    _check_index_topk(index_topk)
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
     topk_impl = default_topk_impl(logits.device, batch.max_len, batch.batch_size) if topk_impl is None else topk_impl
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
@@ -239,33 +235,6 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     if check:
         check_slots(batch, slots)
     return slots
-
-
-_KEY_HISTS: dict = {}  # device -> int32 [rows, 256] top-byte counts, zero between calls
-
-
-def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
-                     **tuning) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton logits and Triton top-k with one pass over the logits fewer: the logits kernel counts
-    the top byte of every logit's radix key (``index_logits(key_hist=)``) and the top-k reads its first
-    round from those counts (``topk_select(key_hist=)``), which it zeroes again. Returns the logits
-    float32 [B, max_len] and the slots int32 [B, index_topk], as ``logits_triton`` and
-    ``select_tokens(topk_impl="triton")`` give them. The counts live in one buffer per device:
-    calls on a device must not overlap in time. ``tuning``: the logits kernel's keywords."""
-    from .kernels.index_logits import index_logits
-    from .kernels.topk_select import kept_zeros, topk_select
-
-    _check_index_topk(index_topk)
-    kh = kept_zeros(_KEY_HISTS, batch.kv_lens.device, batch.batch_size, 256)
-    logits = index_logits(q_idx, weights, cache.k_idx(layer), cache.k_scale(layer), batch.kv_indptr, batch.kv_indices,
-                          batch.kv_lens, batch.page_size, batch.max_len, key_hist=kh, **tuning)
-    try:
-        slots = topk_select(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk,
-                            key_hist=kh)
-    except ValueError:
-        kh.zero_()  # the logits kernel has counted; nothing will read the counts now
-        raise
-    return logits, slots
 
 
 def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from labkit import config, kvpool, reference
-from labkit import indexer as indexer_module
 from labkit.indexer import (INDEX_PAGE, Indexer, check_slots, index_bytes, index_flops, index_page_bytes,
-                            logits_and_slots, quantize_index_keys, random_index_cache, select_tokens)
+                            quantize_index_keys, random_index_cache, select_tokens)
 from labkit.kernels.index_logits import index_logits
 
 TINY = config.load_model("tiny")
@@ -130,36 +129,6 @@ def test_logits_torch_and_triton_vs_reference(page_size, poisoned):
     got = index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
                        b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=32, tiles=3)
     _check_logits(got, ix.logits(0, "reference"), _bound(ix, 0))
-
-
-def _top_bytes(logits, lens):
-    """float64 reference of what the logits kernel counts: per request, the top byte of each logit's
-    radix key (sign flipped for positives, every bit for negatives; NaN as -inf) over its context."""
-    x = logits.float().nan_to_num(nan=-math.inf)
-    bits = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32).long() & 0xFFFFFFFF
-    key = torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
-    out = torch.zeros(len(lens), 256, dtype=torch.int64)
-    for b, n in enumerate(lens):
-        out[b] = torch.bincount(key[b, :n] >> 24, minlength=256)
-    return out
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_logits_and_slots_first_round_from_the_logits_kernel(page_size, poisoned):
-    """The top-k's first round counted by the logits kernel: the same logits and the same slots (the
-    same order too) as the two kernels apart; the counts are the logits' top key bytes, and the
-    shared buffer is zero again afterwards (a request shorter than top-k included)."""
-    lens, topk = [300, 20, 129, 33], 32
-    ix = _case(page_size, lens, layers=1, seed=21 + page_size, topk=topk)
-    b = ix.batch
-    logits, slots = logits_and_slots(ix.q_idx[0], ix.weights[0], ix.cache, 0, b, topk, block_t=32, tiles=2)
-    assert torch.equal(logits, ix.logits(0, "triton"))
-    assert torch.equal(slots, select_tokens(logits, b, topk, topk_impl="triton"))
-    assert not indexer_module._KEY_HISTS[b.kv_lens.device].any()
-    kh = torch.zeros(len(lens), 256, dtype=torch.int32)
-    index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr, b.kv_indices,
-                 b.kv_lens, page_size, b.max_len, block_t=32, key_hist=kh)
-    assert torch.equal(kh.long(), _top_bytes(logits, lens))
 
 
 def test_logits_follow_token_ids_not_pages():
@@ -293,11 +262,6 @@ def test_bad_arguments():
     dense = config.ModelConfig("dense", 2, 16, 512, 64, 192, 256)
     with pytest.raises(ValueError, match="has no DSA indexer"):
         Indexer(dense, ix.pool, ix.batch)
-    with pytest.raises(ValueError, match=r"key_hist must be a contiguous int32 \[>= 1, 256\]"):
-        index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), ix.batch.kv_indptr,
-                     ix.batch.kv_indices, ix.batch.kv_lens, 16, 40, key_hist=torch.zeros(1, 128, dtype=torch.int32))
-    with pytest.raises(ValueError, match="index_topk=0"):
-        logits_and_slots(ix.q_idx[0], ix.weights[0], ix.cache, 0, ix.batch, 0)
     with pytest.raises(ValueError, match="tiles=0: must be an integer in 1..256"):
         index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), ix.batch.kv_indptr,
                      ix.batch.kv_indices, ix.batch.kv_lens, 16, 40, tiles=0)
@@ -324,9 +288,3 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
         _check_logits(logits.cpu(), ref, bound)
         slots = select_tokens(logits, b, cfg.index_topk)
         _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
-    # the top-k's first round from the logits kernel: the same logits and slots, split over programs
-    fused_logits, fused = logits_and_slots(ix.q_idx[0], ix.weights[0], ix.cache, 0, b, cfg.index_topk,
-                                           block_t=block_t)
-    assert torch.equal(fused_logits, got)
-    assert torch.equal(fused, select_tokens(got, b, cfg.index_topk, topk_impl="triton"))
-    assert not indexer_module._KEY_HISTS[b.kv_lens.device].any()
