@@ -277,20 +277,14 @@ _BARRIERS: dict = {}  # device -> int32 barrier counts, zero between calls (the 
 COUNTS = {"histogram": 0, "atomic": 1}  # topk_select(count=): how the row rounds count
 
 
-def kept_zeros(store: dict, device, rows: int) -> torch.Tensor:
-    """At least ``rows`` zeroed int32 counts on ``device``, made once and kept in
-    ``store``: the kernel that reads them leaves them at zero, so a captured graph needs no memset
-    (2.6 us a replay on the H200). Calls on one device must not overlap in time (one stream), or they
-    would share them."""
-    t = store.get(device)
-    if t is None or t.shape[0] < rows:
-        t = store[device] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-    return t
-
-
 def _barriers(device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 barrier counts on ``device`` (``kept_zeros``)."""
-    return kept_zeros(_BARRIERS, device, n)
+    """At least n zeroed int32 barrier counts on ``device``, made once and kept: the kernel leaves them
+    at zero, so a captured graph needs no memset (2.6 us a replay on the H200). Calls on one device
+    must not overlap in time (one stream), or they would share them."""
+    t = _BARRIERS.get(device)
+    if t is None or t.shape[0] < n:
+        t = _BARRIERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return t
 
 
 def default_count(batch_size: int) -> str:
