@@ -238,6 +238,7 @@ def test_pipeline_and_block_rules():
     assert not pipe(32, precision="accurate") and pipe(32, precision="accurate", pipeline=True)
     assert not pipe(32, sparse=True) and pipe(64, sparse=True, pipeline=True) and pipe(16, pipeline=True)
     assert not pipe(64, sparse=True, ds=True) and not pipe(32, pipeline=False)
+    assert pipe(64, pipeline=True) and pipe(16, precision="accurate", pipeline=True) and not pipe(8)
     with pytest.raises(ValueError, match="not built for sparse slots at <= 32 heads"):
         pipe(32, sparse=True, pipeline=True)
     with pytest.raises(ValueError, match="not built for fp8_ds_mla rows"):
@@ -287,22 +288,6 @@ def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
     assert len(re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", sass)) == 2 * 18
     assert len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass)) == 2 * 8  # 4 row blocks x 2 k steps
     assert not any(o.startswith(("HMMA", "HGMMA", "LDS.U8")) for o in st["ops"])
-
-
-def test_use_pipeline():
-    """The pipelined loop by rule: the fast default at 17-32 heads on dense pages, off elsewhere;
-    asked for where it is not built (fp8_ds_mla rows, sparse slots on one warpgroup, a one-tile
-    ring), refused by name."""
-    def pipe(H, sparse=False, ds=False, precision="fast", pipeline=None, **kw):
-        block_h, _, cfg = G.block_config(H)
-        return G.use_pipeline({**cfg, **kw}, block_h, sparse, ds, precision, pipeline)
-    assert [pipe(h) for h in (8, 16, 32, 64)] == [False, False, True, False]
-    assert not pipe(32, precision="accurate") and not pipe(32, sparse=True) and not pipe(32, num_stages=1)
-    assert pipe(64, pipeline=True) and pipe(64, sparse=True, pipeline=True) and pipe(16, precision="accurate", pipeline=True)
-    for kw, why in [(dict(H=64, sparse=True, ds=True), "fp8_ds_mla rows"), (dict(H=32, sparse=True), "sparse slots"),
-                    (dict(H=16, num_stages=1), "num_stages >= 2")]:
-        with pytest.raises(ValueError, match=f"pipeline=True.*{why}"):
-            pipe(pipeline=True, **kw)
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
