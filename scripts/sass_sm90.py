@@ -25,17 +25,19 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 
 from labkit.kernels import mla_decode_fp8_gluon as G  # noqa: E402
+from labkit.kernels import mla_decode_fp8_ws as W  # noqa: E402
 
 PTRS = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", rope_ptr="*bf16", scale_ptr="*fp32", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
             kv_lens_ptr="*i32", tok_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
 
 
 def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False, split: bool = False,
-                 ds: bool = False, pipe: bool = False):
-    fn = G._mla_decode_fp8_gluon_kernel
-    num_warps = 8 if block_h == G.WIDE_HEADS else 4
+                 ds: bool = False, pipe: bool = False, ws: bool = False):
+    fn = W._mla_decode_fp8_ws_kernel if ws else G._mla_decode_fp8_gluon_kernel
+    num_warps = 8 if block_h == G.WIDE_HEADS and not ws else 4
     consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
                   DS=int(ds), PIPE=int(pipe))
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -45,7 +47,8 @@ def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False
         else:
             sig[name] = "fp32" if name.endswith("scale") else "i32"
     src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps, maxnreg=W.MAXNREG) if ws else dict(num_warps=num_warps)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def stats(cc) -> tuple[dict, str]:
@@ -70,9 +73,10 @@ def main():
     ap.add_argument("--accurate", action="store_true", help="precision='accurate': q and p as two e4m3 terms")
     ap.add_argument("--ds", action="store_true", help="sparse on fp8_ds_mla rows (656 bytes)")
     ap.add_argument("--pipe", action="store_true", help="the pipelined tile loop (pipeline=True)")
+    ap.add_argument("--ws", action="store_true", help="the warp-specialized 64-head kernel (mla_decode_fp8_ws)")
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
-    st, sass = stats(compile_sm90(a.block_h, a.stages, sparse=a.sparse, split=a.accurate, pipe=a.pipe, ds=a.ds))
+    st, sass = stats(compile_sm90(a.block_h, a.stages, sparse=a.sparse, split=a.accurate, pipe=a.pipe, ds=a.ds, ws=a.ws))
     if a.sass:
         Path(a.sass).write_text(sass)
     print(json.dumps(st))
