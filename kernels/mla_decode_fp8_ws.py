@@ -95,7 +95,7 @@ if HAS_WS:
 
     @gluon.jit
     def _producer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr):
+                  DIRECT: gl.constexpr, ORDER: gl.constexpr):
         """One warp: every tile of the split into the ring, a slot refilled once both consumers freed it."""
         ckv_desc, kpe_desc, ckv_tail, kpe_tail = a[0]
         ckv_ring, kpe_ring = a[1][0], a[1][1]
@@ -116,52 +116,68 @@ if HAS_WS:
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @gluon.jit
-    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
-        """acc * alpha_t + V_t^T @ p_t^T on this warpgroup's 256 columns, waited; then the slot and
-        (for the other warpgroup's tile) the p buffer are released."""
+    def _pv_issue(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        """acc * alpha_t + V_t^T @ p_t^T on this warpgroup's 256 columns, issued (1 wgmma group; SPLIT 2)."""
         ckv_ring, p_smem, stat = a[1][0], a[1][4], a[1][5]
-        empty, p_free = a[2][1], a[2][3]
         NQ: gl.constexpr = 2 if SPLIT else 1
         b = t % 2
-        alpha = _row(stat, 2 + b).load(gl.SliceLayout(0, acc.type.layout))
+        alpha = stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))
         v = ckv_ring.index(t % NUM_STAGES).slice(256 * WG, 256, dim=1).load(_v_layout())
         acc = acc * alpha[None, :]
         vt = _relabel_v(v, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4))
         acc = warpgroup_mma(vt, p_smem.index(b * NQ).permute((1, 0)), acc, is_async=True)
         if SPLIT:
             acc = warpgroup_mma(vt, p_smem.index(b * NQ + 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(t % NUM_STAGES), count=1)
-        mbarrier.arrive(p_free.index(b), count=1, pred=b != WG)
         return acc
 
     @gluon.jit
-    def _softmax(a, t, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
-        """Tile t (this warpgroup's): scores, the running max after it, p_t and alpha_t published."""
-        ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat = a[1]
-        full, empty, p_ready, p_free = a[2][0], a[2][1], a[2][2], a[2][3]
-        start, end = a[3][2], a[3][3]
-        qk_scale = a[4][0]
-        NQ: gl.constexpr = 2 if SPLIT else 1
-        s_layout: gl.constexpr = _mma_layout()
+    def _pv_done(a, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """After p @ V of tile t has retired: its ring slot, and (the other warpgroup's tile) its p buffer."""
+        empty, p_free = a[2][1], a[2][3]
+        mbarrier.arrive(empty.index(t % NUM_STAGES), count=1)
+        mbarrier.arrive(p_free.index(t % 2), count=1, pred=t % 2 != WG)
+
+    @gluon.jit
+    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        """``_pv_issue``, waited, then ``_pv_done``."""
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_pv_issue(a, acc, t, WG, NUM_STAGES, SPLIT), ))
+        _pv_done(a, t, WG, NUM_STAGES)
+        return acc
+
+    @gluon.jit
+    def _scores_issue(a, t, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        """s [64 heads, 64 tokens] = q @ K_t^T once tile t is in (2 wgmma groups; SPLIT 4), issued."""
+        ckv_ring, kpe_ring, qn_smem, qp_smem = a[1][0], a[1][1], a[1][2], a[1][3]
+        full = a[2][0]
         slot = t % NUM_STAGES
         mbarrier.wait(full.index(slot), (t // NUM_STAGES) & 1)
         ckv = ckv_ring.index(slot).permute((1, 0))
         kpe = kpe_ring.index(slot).permute((1, 0))
-        s = warpgroup_mma(qn_smem.index(0), ckv, gl.zeros([64, 64], gl.float32, s_layout), use_acc=False,
+        s = warpgroup_mma(qn_smem.index(0), ckv, gl.zeros([64, 64], gl.float32, _mma_layout()), use_acc=False,
                           is_async=True)
         s = warpgroup_mma(qp_smem.index(0), kpe, s, is_async=True)
         if SPLIT:
             s = warpgroup_mma(qn_smem.index(1), ckv, s, is_async=True)
             s = warpgroup_mma(qp_smem.index(1), kpe, s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        return s
+
+    @gluon.jit
+    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
+        """Tile t's scores s (this warpgroup's tile) -> the running max after it; p_t, m_t and
+        alpha_t published to the other warpgroup (``p_ready``)."""
+        p_smem, stat = a[1][4], a[1][5]
+        p_ready, p_free = a[2][2], a[2][3]
+        start, end = a[3][2], a[3][3]
+        qk_scale = a[4][0]
+        NQ: gl.constexpr = 2 if SPLIT else 1
+        s_layout: gl.constexpr = _mma_layout()
         tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
         s = gl.where((tok < end)[None, :], s * qk_scale, -float("inf"))
         row_max = gl.max(s, axis=1)
         b = t % 2
         if t > 0:  # m_{t-1} from the other warpgroup
             mbarrier.wait(p_ready.index(1 - b), ((t - 1) // 2) & 1)
-            m_prev = _row(stat, 1 - b).load(gl.SliceLayout(1, s_layout))
+            m_prev = stat.index(1 - b).load(gl.SliceLayout(1, s_layout))
         else:
             m_prev = gl.full([64], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         m_new = gl.maximum(m_prev, row_max)
@@ -170,8 +186,8 @@ if HAS_WS:
         l_own = l_own * gl.exp2(m_own - m_use) + gl.sum(p, axis=1)
         if t >= 2:  # the other warpgroup is done with this buffer's previous p
             mbarrier.wait(p_free.index(b), ((t // 2) - 1) & 1)
-        _row(stat, b).store(m_new)
-        _row(stat, 2 + b).store(gl.exp2(m_prev - m_use))
+        stat.index(b).store(m_new)
+        stat.index(2 + b).store(gl.exp2(m_prev - m_use))
         p = gl.permute(gl.reshape(p, [64, 4, 4, 4]), (0, 1, 3, 2))  # tokens in _token_of_k order
         p = gl.reshape(p, [64, 64])
         if SPLIT:
@@ -184,30 +200,53 @@ if HAS_WS:
         return m_new, l_own
 
     @gluon.jit
+    def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                  ORDER: gl.constexpr):
+        """Tile t (this warpgroup's) and the other's tile t - 1. ORDER 0: scores and softmax of t,
+        then p @ V of t - 1 and of t. ORDER 1: the scores of t issued, p @ V of t - 1 issued behind
+        them, the softmax of t under that p @ V, then p @ V of t."""
+        p_ready = a[2][2]
+        NQ: gl.constexpr = 2 if SPLIT else 1
+        s = _scores_issue(a, t, NUM_STAGES, SPLIT)
+        if ORDER == 0:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT)
+            if t > 0:
+                acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
+        elif t > 0:  # (an async accumulator may not cross an if, so each branch waits its own)
+            mbarrier.wait(p_ready.index((t - 1) % 2), ((t - 1) // 2) & 1)
+            pv = _pv_issue(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
+            s_t = warpgroup_mma_wait(num_outstanding=NQ, deps=(s, ))
+            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+            _pv_done(a, t - 1, WG, NUM_STAGES)
+        else:
+            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT)
+        acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT)
+        return acc, m_own, l_own
+
+    @gluon.jit
     def _consumer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr):
+                  DIRECT: gl.constexpr, ORDER: gl.constexpr):
         """Warpgroup WG: the softmax of tiles WG, WG + 2, ..., p @ V of every tile on its 256 columns,
         then its columns of the output."""
         stat = a[1][5]
         p_ready, fin = a[2][2], a[2][4]
         n_tiles = a[3][5]
-        s_layout: gl.constexpr = _mma_layout()
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_l: gl.constexpr = gl.SliceLayout(1, _mma_layout())
         m_own = gl.full([64], -float("inf"), gl.float32, row_l)
         l_own = gl.zeros([64], gl.float32, row_l)
-        acc = gl.zeros([256, 64], gl.float32, s_layout)  # out^T, rows relabelled
+        acc = gl.zeros([256, 64], gl.float32, _mma_layout())  # out^T, rows relabelled
         for t in range(WG, n_tiles, 2):
-            m_own, l_own = _softmax(a, t, m_own, l_own, WG, NUM_STAGES, SPLIT)
-            if t > 0:
-                acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT)  # the other warpgroup's tile
-            acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT)
+            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT, ORDER)
         last = n_tiles - 1
         if (last >= 0) & (last % 2 != WG):  # the last tile is the other warpgroup's
             mbarrier.wait(p_ready.index(last % 2), (last // 2) & 1)
             acc = _pv(a, acc, last, WG, NUM_STAGES, SPLIT)
         # the two sums of p meet at the last running max
-        _row(stat, 4 + WG).store(m_own)
-        _row(stat, 6 + WG).store(l_own)
+        stat.index(4 + WG).store(m_own)
+        stat.index(6 + WG).store(l_own)
         G._cta_barrier()
         mbarrier.arrive(fin.index(0), count=1)
         mbarrier.wait(fin.index(0), 0)
@@ -264,6 +303,7 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
+        ORDER: gl.constexpr = 0,  # the consumers' schedule (_own_tile)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -330,9 +370,9 @@ if HAS_WS:
         a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
              (full, empty, p_ready, p_free, fin), (kv_indices_ptr, page_base, start, end, n_full, n_tiles),
              (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h))
-        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT)),
-                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT)),
-                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT))],
+        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER)),
+                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER)),
+                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER))],
                            [4, 1], _REGS)
 
 
@@ -340,7 +380,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
-                      max_split_len: int | None = None):
+                      max_split_len: int | None = None, order: int = 0):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -387,7 +427,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", num_warps=4,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", ORDER=order, num_warps=4,
         maxnreg=MAXNREG,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

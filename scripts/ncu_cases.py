@@ -30,9 +30,10 @@ import torch  # noqa: E402
 
 from labkit import config, kvpool  # noqa: E402
 from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
+from labkit.kernels.mla_decode_fp8_ws import mla_decode_fp8_ws  # noqa: E402
 
 
-def gluon_case(H: int, B: int, L: int, topk: int = 0, **kw):
+def gluon_case(H: int, B: int, L: int, topk: int = 0, ws: bool = False, **kw):
     page = 1 if topk else 64
     pool = kvpool.random_pool(1, int(B * max(L, topk) * 1.05) // 64 * 64 + 64, page, device="cuda", seed=H)
     batch = kvpool.sparse_batch_for_pool(pool, [L] * B, topk, seed=B) if topk else \
@@ -40,7 +41,8 @@ def gluon_case(H: int, B: int, L: int, topk: int = 0, **kw):
     qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
     if topk:
         kw["token_indices"] = batch.slots(0)
-    return lambda: mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+    fn = mla_decode_fp8_ws if ws else mla_decode_fp8_gluon
+    return lambda: fn(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                         gk.SM_SCALE, k_scale=pool.scale(0), max_len=L, **kw)
 
 
@@ -56,6 +58,8 @@ CASES = {
     "gluon16_acc": lambda: gluon_case(16, 64, 8192, precision="accurate"),
     "gluon64": lambda: gluon_case(64, 64, 8192),
     "gluon64_sparse": lambda: gluon_case(64, 64, 32768, topk=2048),
+    "ws64": lambda: gluon_case(64, 64, 8192, ws=True),  # the warp-specialized kernel (mla_decode_fp8_ws)
+    "ws64_1": lambda: gluon_case(64, 1, 8192, ws=True),
     "logits": lambda: indexer_case("logits"),
     "topk": lambda: indexer_case("topk"),
 }
