@@ -8,6 +8,7 @@ copy bandwidth from ``labkit.roofline``'s ceilings measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -63,6 +64,9 @@ def main():
     ap.add_argument("--heads", type=int, nargs="*", help="only the shapes with these head counts")
     ap.add_argument("--accurate", action="store_true", help="the precision='accurate' sweep (ACC_VARIANTS)")
     ap.add_argument("--variants", nargs="*", help="only these variants (names of VARIANTS or ACC_VARIANTS)")
+    ap.add_argument("--hot", type=int, default=0, metavar="N",
+                    help="dense: every request reads pages 0..N-1 only (page id mod N), so that the tiles come "
+                         "from L2 and the timing is the kernel's own chain, not DRAM's")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,6 +81,8 @@ def main():
             batch = kvpool.sparse_batch_for_pool(pool, [L] * B, topk, seed=B)
         else:
             batch = kvpool.batch_for_pool(pool, [L] * B, seed=B)
+            if a.hot:
+                batch = dataclasses.replace(batch, kv_indices=batch.kv_indices % a.hot)
         qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
         ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, gk.SM_SCALE)
         idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
@@ -92,7 +98,7 @@ def main():
                 kw.pop("token_indices", None)
             call = lambda layer, kw=kw, fn=fn: fn(qn, qp, pool.layer(layer), *idx, k_scale=pool.scale(layer),  # noqa: E731
                                                   max_len=L, **kw)
-            row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"))
+            row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"), hot=a.hot)
             try:
                 row["rel_err"] = reference.rel_err(call(0), ref)
                 row["us"] = timing.bench(lambda: call(0)).us
