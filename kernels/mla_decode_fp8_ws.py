@@ -47,7 +47,9 @@ GPU_CONFIG = dict(num_stages=4, ctas_per_sm=1, min_tiles=1, max_splits=128)
 ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of shared memory
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
+LAZY_SLACK = 0.8  # log2 units: p <= 2^0.8 = 1.74, so 256 p stays within e4m3's 448 (and 16 p within 28)
 if HAS_WS:
+    _LAZY_SLACK = gl.constexpr(LAZY_SLACK)
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])
 
 # V^T relabelling for one warpgroup's 256 columns: ``mla_decode_fp8_gluon``'s 8-warp split with the
@@ -68,14 +70,14 @@ if HAS_WS:
                                           block_bases=[], shape=[64, 256])
 
     @triton.constexpr_function
+    def _flag_layout():
+        """One int32 that every thread of a warpgroup holds (the 'a reference max moved' flag)."""
+        return gl.BlockedLayout([1], [32], [4], [0])
+
+    @triton.constexpr_function
     def _mma_layout():
         """The MMAs' accumulators on one warpgroup: s [64 heads, 64 tokens], out^T [256, 64 heads]."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-
-    @gluon.jit
-    def _row(stat, r):
-        """Row r of the [8, 64] fp32 softmax state."""
-        return stat.index(r)
 
     @gluon.jit
     def _relabel_v(v, a_layout: gl.constexpr):
@@ -95,7 +97,7 @@ if HAS_WS:
 
     @gluon.jit
     def _producer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr, ORDER: gl.constexpr):
+                  DIRECT: gl.constexpr, ORDER: gl.constexpr, LAZY: gl.constexpr):
         """One warp: every tile of the split into the ring, a slot refilled once both consumers freed it."""
         ckv_desc, kpe_desc, ckv_tail, kpe_tail = a[0]
         ckv_ring, kpe_ring = a[1][0], a[1][1]
@@ -116,14 +118,17 @@ if HAS_WS:
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @gluon.jit
-    def _pv_issue(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    def _pv_issue(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
         """acc * alpha_t + V_t^T @ p_t^T on this warpgroup's 256 columns, issued (1 wgmma group; SPLIT 2)."""
         ckv_ring, p_smem, stat = a[1][0], a[1][4], a[1][5]
         NQ: gl.constexpr = 2 if SPLIT else 1
         b = t % 2
-        alpha = stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))
         v = ckv_ring.index(t % NUM_STAGES).slice(256 * WG, 256, dim=1).load(_v_layout())
-        acc = acc * alpha[None, :]
+        if LAZY:  # most tiles leave every head's reference max where it was: no rescale
+            if gl.max(a[1][6].index(b).load(_flag_layout()), axis=0) != 0:
+                acc = acc * stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))[None, :]
+        else:
+            acc = acc * stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))[None, :]
         vt = _relabel_v(v, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4))
         acc = warpgroup_mma(vt, p_smem.index(b * NQ).permute((1, 0)), acc, is_async=True)
         if SPLIT:
@@ -138,9 +143,9 @@ if HAS_WS:
         mbarrier.arrive(p_free.index(t % 2), count=1, pred=t % 2 != WG)
 
     @gluon.jit
-    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
         """``_pv_issue``, waited, then ``_pv_done``."""
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_pv_issue(a, acc, t, WG, NUM_STAGES, SPLIT), ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_pv_issue(a, acc, t, WG, NUM_STAGES, SPLIT, LAZY), ))
         _pv_done(a, t, WG, NUM_STAGES)
         return acc
 
@@ -162,7 +167,7 @@ if HAS_WS:
         return s
 
     @gluon.jit
-    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
+    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
         """Tile t's scores s (this warpgroup's tile) -> the running max after it; p_t, m_t and
         alpha_t published to the other warpgroup (``p_ready``)."""
         p_smem, stat = a[1][4], a[1][5]
@@ -180,7 +185,10 @@ if HAS_WS:
             m_prev = stat.index(1 - b).load(gl.SliceLayout(1, s_layout))
         else:
             m_prev = gl.full([64], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        m_new = gl.maximum(m_prev, row_max)
+        if LAZY:  # a head's reference max moves only when its max rose past it by LAZY_SLACK or more
+            m_new = gl.where(row_max > m_prev + _LAZY_SLACK, row_max, m_prev)
+        else:
+            m_new = gl.maximum(m_prev, row_max)
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
         l_own = l_own * gl.exp2(m_own - m_use) + gl.sum(p, axis=1)
@@ -188,6 +196,9 @@ if HAS_WS:
             mbarrier.wait(p_free.index(b), ((t // 2) - 1) & 1)
         stat.index(b).store(m_new)
         stat.index(2 + b).store(gl.exp2(m_prev - m_use))
+        if LAZY:
+            moved = gl.max(gl.where(m_new != m_prev, 1, 0), axis=0)
+            a[1][6].index(b).store(gl.full([1], moved, gl.int32, _flag_layout()))
         p = gl.permute(gl.reshape(p, [64, 4, 4, 4]), (0, 1, 3, 2))  # tokens in _token_of_k order
         p = gl.reshape(p, [64, 64])
         if SPLIT:
@@ -201,7 +212,7 @@ if HAS_WS:
 
     @gluon.jit
     def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                  ORDER: gl.constexpr):
+                  ORDER: gl.constexpr, LAZY: gl.constexpr):
         """Tile t (this warpgroup's) and the other's tile t - 1. ORDER 0: scores and softmax of t,
         then p @ V of t - 1 and of t. ORDER 1: the scores of t issued, p @ V of t - 1 issued behind
         them, the softmax of t under that p @ V, then p @ V of t."""
@@ -210,25 +221,25 @@ if HAS_WS:
         s = _scores_issue(a, t, NUM_STAGES, SPLIT)
         if ORDER == 0:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT)
+            m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT, LAZY)
             if t > 0:
-                acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
+                acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT, LAZY)
         elif t > 0:  # (an async accumulator may not cross an if, so each branch waits its own)
             mbarrier.wait(p_ready.index((t - 1) % 2), ((t - 1) // 2) & 1)
-            pv = _pv_issue(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
+            pv = _pv_issue(a, acc, t - 1, WG, NUM_STAGES, SPLIT, LAZY)
             s_t = warpgroup_mma_wait(num_outstanding=NQ, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT)
+            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
             _pv_done(a, t - 1, WG, NUM_STAGES)
         else:
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT)
-        acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT)
+            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
+        acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT, LAZY)
         return acc, m_own, l_own
 
     @gluon.jit
     def _consumer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr, ORDER: gl.constexpr):
+                  DIRECT: gl.constexpr, ORDER: gl.constexpr, LAZY: gl.constexpr):
         """Warpgroup WG: the softmax of tiles WG, WG + 2, ..., p @ V of every tile on its 256 columns,
         then its columns of the output."""
         stat = a[1][5]
@@ -239,11 +250,11 @@ if HAS_WS:
         l_own = gl.zeros([64], gl.float32, row_l)
         acc = gl.zeros([256, 64], gl.float32, _mma_layout())  # out^T, rows relabelled
         for t in range(WG, n_tiles, 2):
-            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT, ORDER)
+            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT, ORDER, LAZY)
         last = n_tiles - 1
         if (last >= 0) & (last % 2 != WG):  # the last tile is the other warpgroup's
             mbarrier.wait(p_ready.index(last % 2), (last // 2) & 1)
-            acc = _pv(a, acc, last, WG, NUM_STAGES, SPLIT)
+            acc = _pv(a, acc, last, WG, NUM_STAGES, SPLIT, LAZY)
         # the two sums of p meet at the last running max
         stat.index(4 + WG).store(m_own)
         stat.index(6 + WG).store(l_own)
@@ -260,11 +271,11 @@ if HAS_WS:
         out_scale = a[4][1]
         o_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         vec_l: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m0 = _row(stat, 4).load(vec_l)
-        m1 = _row(stat, 5).load(vec_l)
+        m0 = stat.index(4).load(vec_l)
+        m1 = stat.index(5).load(vec_l)
         m_fin = gl.maximum(m0, m1)
         m_use = gl.where(m_fin == -float("inf"), 0.0, m_fin)
-        l_i = _row(stat, 6).load(vec_l) * gl.exp2(m0 - m_use) + _row(stat, 7).load(vec_l) * gl.exp2(m1 - m_use)
+        l_i = stat.index(6).load(vec_l) * gl.exp2(m0 - m_use) + stat.index(7).load(vec_l) * gl.exp2(m1 - m_use)
         out = gl.convert_layout(_unrelabel_acc(acc), o_layout)
         l_safe = gl.maximum(l_i, 1e-30)
         inv = gl.where(l_i > 0, 1.0 / (l_safe * G._P_SCALE), 0.0)
@@ -304,6 +315,7 @@ if HAS_WS:
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
         ORDER: gl.constexpr = 0,  # the consumers' schedule (_own_tile)
+        LAZY: gl.constexpr = 0,  # rescale only when a reference max moves (LAZY_SLACK)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -319,6 +331,7 @@ if HAS_WS:
         p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ, 64, 64], kpe_sl)
         # rows: m_t and alpha_t of the two p buffers, then each warpgroup's last max and sum of p
         stat = gl.allocate_shared_memory(gl.float32, [8, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        moved = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -367,12 +380,12 @@ if HAS_WS:
         G._cta_barrier()
         qk_scale = qk_scale * q_sc * (0.0625 if SPLIT else 1.0)
 
-        a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
+        a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat, moved),
              (full, empty, p_ready, p_free, fin), (kv_indices_ptr, page_base, start, end, n_full, n_tiles),
              (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h))
-        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER)),
-                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER)),
-                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER))],
+        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY)),
+                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY)),
+                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY))],
                            [4, 1], _REGS)
 
 
@@ -380,7 +393,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
-                      max_split_len: int | None = None, order: int = 0):
+                      max_split_len: int | None = None, order: int = 0, lazy: bool = False):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -427,7 +440,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", ORDER=order, num_warps=4,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", ORDER=order, LAZY=lazy,
+        num_warps=4,
         maxnreg=MAXNREG,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

@@ -32,6 +32,7 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "ws": dict(kernel="ws"), "ws_s3": dict(kernel="ws", num_stages=3), "ws_s5": dict(kernel="ws", num_stages=5),
             "ws_n128": dict(kernel="ws", num_splits=128), "ws_n64": dict(kernel="ws", num_splits=64),
             "ws_o1": dict(kernel="ws", order=1), "ws_n32": dict(kernel="ws", num_splits=32),
+            "ws_lazy": dict(kernel="ws", lazy=True), "ws_lazy_s3": dict(kernel="ws", lazy=True, num_stages=3),
 }
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
@@ -46,7 +47,8 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "bh32": dict(block_h=32), "bh64": dict(block_h=64), "fast_bh64": dict(precision="fast", block_h=64),
                 "fast_nopipe": dict(precision="fast", pipeline=False),
                 "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64),
-                "ws": dict(kernel="ws"), "fast_ws": dict(kernel="ws", precision="fast")}
+                "ws": dict(kernel="ws"), "fast_ws": dict(kernel="ws", precision="fast"),
+                "ws_lazy": dict(kernel="ws", lazy=True), "ws_s2": dict(kernel="ws", num_stages=2)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
 ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128", "ws_n64", "ws_n128", "ws_n32")
