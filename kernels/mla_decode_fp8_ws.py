@@ -220,8 +220,8 @@ if HAS_WS:
         NQ: gl.constexpr = 2 if SPLIT else 1
         s = _scores_issue(a, t, NUM_STAGES, SPLIT)
         if ORDER == 0:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT, LAZY)
+            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
             if t > 0:
                 acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT, LAZY)
         elif t > 0:  # (an async accumulator may not cross an if, so each branch waits its own)
