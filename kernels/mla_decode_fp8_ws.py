@@ -45,11 +45,15 @@ BLOCK_H = 64  # heads a CTA: the score MMA's M
 # Measured on the H200: see docs/perf-notes.md (run 14). One CTA an SM (NUM_STAGES x 36 KB of ring).
 GPU_CONFIG = dict(num_stages=4, ctas_per_sm=1, min_tiles=1, max_splits=128)
 ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of shared memory
+# Where ``fp8_native.gluon`` takes this kernel (``preferred``); measured on the H200 (run 14, graph
+# medians, against mla_decode_fp8_gluon in the same call): 128 heads 64 x 8K 230.9 us against 274.1;
+# 64 heads 156.1 against 153.0 (a draw: not taken); one request of 8K (splits of 1-2 tiles) 38.2 against
+# 23.2 at 128 heads (the partitions' start-up); accurate (q and p in two terms: 2 KB of spills) 619.5
+# against 535.8.
+MIN_TILES = 16  # per split
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
-LAZY_SLACK = 0.8  # log2 units: p <= 2^0.8 = 1.74, so 256 p stays within e4m3's 448 (and 16 p within 28)
 if HAS_WS:
-    _LAZY_SLACK = gl.constexpr(LAZY_SLACK)
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])
 
 # V^T relabelling for one warpgroup's 256 columns: ``mla_decode_fp8_gluon``'s 8-warp split with the
@@ -68,11 +72,6 @@ if HAS_WS:
         b = V_LAYOUT_BASES_H
         return gl.DistributedLinearLayout(reg_bases=b["reg"], lane_bases=b["lane"], warp_bases=b["warp"],
                                           block_bases=[], shape=[64, 256])
-
-    @triton.constexpr_function
-    def _flag_layout():
-        """One int32 that every thread of a warpgroup holds (the 'a reference max moved' flag)."""
-        return gl.BlockedLayout([1], [32], [4], [0])
 
     @triton.constexpr_function
     def _mma_layout():
@@ -97,7 +96,7 @@ if HAS_WS:
 
     @gluon.jit
     def _producer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr, ORDER: gl.constexpr, LAZY: gl.constexpr):
+                  DIRECT: gl.constexpr):
         """One warp: every tile of the split into the ring, a slot refilled once both consumers freed it."""
         ckv_desc, kpe_desc, ckv_tail, kpe_tail = a[0]
         ckv_ring, kpe_ring = a[1][0], a[1][1]
@@ -118,17 +117,13 @@ if HAS_WS:
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @gluon.jit
-    def _pv_issue(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
+    def _pv_issue(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
         """acc * alpha_t + V_t^T @ p_t^T on this warpgroup's 256 columns, issued (1 wgmma group; SPLIT 2)."""
         ckv_ring, p_smem, stat = a[1][0], a[1][4], a[1][5]
         NQ: gl.constexpr = 2 if SPLIT else 1
         b = t % 2
         v = ckv_ring.index(t % NUM_STAGES).slice(256 * WG, 256, dim=1).load(_v_layout())
-        if LAZY:  # most tiles leave every head's reference max where it was: no rescale
-            if gl.max(a[1][6].index(b).load(_flag_layout()), axis=0) != 0:
-                acc = acc * stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))[None, :]
-        else:
-            acc = acc * stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))[None, :]
+        acc = acc * stat.index(2 + b).load(gl.SliceLayout(0, acc.type.layout))[None, :]
         vt = _relabel_v(v, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4))
         acc = warpgroup_mma(vt, p_smem.index(b * NQ).permute((1, 0)), acc, is_async=True)
         if SPLIT:
@@ -143,9 +138,9 @@ if HAS_WS:
         mbarrier.arrive(p_free.index(t % 2), count=1, pred=t % 2 != WG)
 
     @gluon.jit
-    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
+    def _pv(a, acc, t, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
         """``_pv_issue``, waited, then ``_pv_done``."""
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_pv_issue(a, acc, t, WG, NUM_STAGES, SPLIT, LAZY), ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_pv_issue(a, acc, t, WG, NUM_STAGES, SPLIT), ))
         _pv_done(a, t, WG, NUM_STAGES)
         return acc
 
@@ -167,7 +162,7 @@ if HAS_WS:
         return s
 
     @gluon.jit
-    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr):
+    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
         """Tile t's scores s (this warpgroup's tile) -> the running max after it; p_t, m_t and
         alpha_t published to the other warpgroup (``p_ready``)."""
         p_smem, stat = a[1][4], a[1][5]
@@ -185,10 +180,7 @@ if HAS_WS:
             m_prev = stat.index(1 - b).load(gl.SliceLayout(1, s_layout))
         else:
             m_prev = gl.full([64], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        if LAZY:  # a head's reference max moves only when its max rose past it by LAZY_SLACK or more
-            m_new = gl.where(row_max > m_prev + _LAZY_SLACK, row_max, m_prev)
-        else:
-            m_new = gl.maximum(m_prev, row_max)
+        m_new = gl.maximum(m_prev, row_max)
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
         l_own = l_own * gl.exp2(m_own - m_use) + gl.sum(p, axis=1)
@@ -196,9 +188,6 @@ if HAS_WS:
             mbarrier.wait(p_free.index(b), ((t // 2) - 1) & 1)
         stat.index(b).store(m_new)
         stat.index(2 + b).store(gl.exp2(m_prev - m_use))
-        if LAZY:
-            moved = gl.max(gl.where(m_new != m_prev, 1, 0), axis=0)
-            a[1][6].index(b).store(gl.full([1], moved, gl.int32, _flag_layout()))
         p = gl.permute(gl.reshape(p, [64, 4, 4, 4]), (0, 1, 3, 2))  # tokens in _token_of_k order
         p = gl.reshape(p, [64, 64])
         if SPLIT:
@@ -211,35 +200,20 @@ if HAS_WS:
         return m_new, l_own
 
     @gluon.jit
-    def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                  ORDER: gl.constexpr, LAZY: gl.constexpr):
-        """Tile t (this warpgroup's) and the other's tile t - 1. ORDER 0: scores and softmax of t,
-        then p @ V of t - 1 and of t. ORDER 1: the scores of t issued, p @ V of t - 1 issued behind
-        them, the softmax of t under that p @ V, then p @ V of t."""
-        p_ready = a[2][2]
-        NQ: gl.constexpr = 2 if SPLIT else 1
-        s = _scores_issue(a, t, NUM_STAGES, SPLIT)
-        if ORDER == 0:
-            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
-            if t > 0:
-                acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT, LAZY)
-        elif t > 0:  # (an async accumulator may not cross an if, so each branch waits its own)
-            mbarrier.wait(p_ready.index((t - 1) % 2), ((t - 1) // 2) & 1)
-            pv = _pv_issue(a, acc, t - 1, WG, NUM_STAGES, SPLIT, LAZY)
-            s_t = warpgroup_mma_wait(num_outstanding=NQ, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
-            _pv_done(a, t - 1, WG, NUM_STAGES)
-        else:
-            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            m_own, l_own = _softmax(a, t, s_t, m_own, l_own, WG, SPLIT, LAZY)
-        acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT, LAZY)
+    def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        """Tile t (this warpgroup's): its scores and softmax, then p @ V of the other's tile t - 1 and
+        of t. (Issuing p @ V of t - 1 behind the scores of t, the softmax under it, took 169 us
+        against 154 at 64 heads, 64 x 8K: the softmax chain between the warpgroups is the longer.)"""
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores_issue(a, t, NUM_STAGES, SPLIT), ))
+        m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT)
+        if t > 0:
+            acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
+        acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT)
         return acc, m_own, l_own
 
     @gluon.jit
     def _consumer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr, ORDER: gl.constexpr, LAZY: gl.constexpr):
+                  DIRECT: gl.constexpr):
         """Warpgroup WG: the softmax of tiles WG, WG + 2, ..., p @ V of every tile on its 256 columns,
         then its columns of the output."""
         stat = a[1][5]
@@ -250,11 +224,11 @@ if HAS_WS:
         l_own = gl.zeros([64], gl.float32, row_l)
         acc = gl.zeros([256, 64], gl.float32, _mma_layout())  # out^T, rows relabelled
         for t in range(WG, n_tiles, 2):
-            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT, ORDER, LAZY)
+            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT)
         last = n_tiles - 1
         if (last >= 0) & (last % 2 != WG):  # the last tile is the other warpgroup's
             mbarrier.wait(p_ready.index(last % 2), (last // 2) & 1)
-            acc = _pv(a, acc, last, WG, NUM_STAGES, SPLIT, LAZY)
+            acc = _pv(a, acc, last, WG, NUM_STAGES, SPLIT)
         # the two sums of p meet at the last running max
         stat.index(4 + WG).store(m_own)
         stat.index(6 + WG).store(l_own)
@@ -314,8 +288,6 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
-        ORDER: gl.constexpr = 0,  # the consumers' schedule (_own_tile)
-        LAZY: gl.constexpr = 0,  # rescale only when a reference max moves (LAZY_SLACK)
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -331,7 +303,6 @@ if HAS_WS:
         p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ, 64, 64], kpe_sl)
         # rows: m_t and alpha_t of the two p buffers, then each warpgroup's last max and sum of p
         stat = gl.allocate_shared_memory(gl.float32, [8, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        moved = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -380,20 +351,36 @@ if HAS_WS:
         G._cta_barrier()
         qk_scale = qk_scale * q_sc * (0.0625 if SPLIT else 1.0)
 
-        a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat, moved),
+        a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
              (full, empty, p_ready, p_free, fin), (kv_indices_ptr, page_base, start, end, n_full, n_tiles),
              (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h))
-        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY)),
-                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY)),
-                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT, ORDER, LAZY))],
+        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT)),
+                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT)),
+                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT))],
                            [4, 1], _REGS)
+
+
+def preferred(num_heads: int, kv_layout: str, sparse: bool, precision: str, split_len: int) -> bool:
+    """Whether the planned FP8-native Gluon path launches this kernel rather than
+    ``mla_decode_fp8_gluon``: dense per-tensor pages, the fast precision, more than 64 heads (two
+    head blocks), splits of at least MIN_TILES tiles (``split_len`` tokens)."""
+    return (HAS_WS and not sparse and kv_layout == "fp8_per_tensor" and precision == "fast" and num_heads > BLOCK_H
+            and split_len >= MIN_TILES * G.BLOCK_N)
+
+
+def split_len(batch: int, num_heads: int, max_len: int, device) -> int:
+    """The longest split (tokens) of this kernel's default split count (the same as the 64-head
+    ``mla_decode_fp8_gluon``'s: one wave of one CTA an SM)."""
+    s = resolve_splits("mla_decode_fp8_ws", None, batch, triton.cdiv(num_heads, BLOCK_H), None, max_len, G.BLOCK_N,
+                       device, GPU_CONFIG["ctas_per_sm"], GPU_CONFIG["min_tiles"], GPU_CONFIG["max_splits"])
+    return triton.cdiv(triton.cdiv(max_len, s), G.BLOCK_N) * G.BLOCK_N  # as the kernel cuts them: whole tiles
 
 
 def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
-                      max_split_len: int | None = None, order: int = 0, lazy: bool = False):
+                      max_split_len: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -440,8 +427,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", ORDER=order, LAZY=lazy,
-        num_warps=4,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", num_warps=4,
         maxnreg=MAXNREG,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

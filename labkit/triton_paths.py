@@ -13,7 +13,8 @@
     fp8_native.gluon       ``mla_decode_fp8_gluon``: TMA ring (cp.async rows for sparse slots), both
                            products as FP8 wgmma (V^T a register operand, p in e4m3): no 16-bit copy of V
                            anywhere; 2.7-2.9e-2 relative error; Hopper (sm_90) only, no CPU interpreter;
-                           dense pages of 64/128, sparse any; 1-128 heads; per-tensor layout
+                           dense pages of 64/128, sparse any; 1-128 heads; per-tensor layout. Dense
+                           at 65-128 heads with long splits (fast), the plan launches ``mla_decode_fp8_ws``
     fp8_native.gluon_acc   the same, precision="accurate": q and p each as two e4m3 terms and splits of at
                            most 4096 tokens (the FP8 MMA's narrow accumulator): 2.0-2.6e-3
     bf16_pool.triton       ``mla_decode`` on a BF16 pool; refuses FP8 (the refusal demo)

@@ -21,6 +21,7 @@ from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, r
 from labkit.kernels.mla_decode_fp8 import _mla_decode_fp8_kernel, default_config, quantize_q_fp8
 from labkit.kernels import mla_decode_fp8_gluon as G
 from labkit.kernels import mla_decode_fp8_rows as R
+from labkit.kernels import mla_decode_fp8_ws as W
 
 from .kvpool import DecodeBatch, KVPool
 
@@ -198,6 +199,9 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
     num_rows = pool.num_pages * pool.page_size
     b = batch
+    if W.preferred(num_heads, pool.kv_layout, sparse, precision,
+                   W.split_len(batch.batch_size, num_heads, batch.max_len, pool.device) if not sparse else 0):
+        return _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks)
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
@@ -212,6 +216,27 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
             kernel(q_nope, q_pe, kv, kv16, kv32, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk,
                    o_buf, lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0),
                    q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
+
+        return split.run(stage1, k_scale)
+    return run
+
+
+def _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks):
+    """``mla_decode_fp8_ws`` (dense, fast, 65-128 heads) planned: as ``_gluon``, its own kernel."""
+    kvs, scales = _layers(pool)
+    s, num_rows = split.num_splits, pool.num_pages * pool.page_size
+    kernel = Launcher(W._mla_decode_fp8_ws_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
+                      DIRECT=split.direct, NUM_STAGES=W.GPU_CONFIG["num_stages"], SPLIT=False, num_warps=4,
+                      maxnreg=W.MAXNREG)
+
+    def run(q_nope, q_pe, layer, b_layer):
+        kv, k_scale = kvs[layer], scales[layer]
+
+        def stage1(o_buf, lse_buf, direct):
+            triton.set_allocator(G._scratch)
+            kernel(q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+                   float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
+                   q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 
         return split.run(stage1, k_scale)
     return run

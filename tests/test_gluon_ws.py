@@ -83,6 +83,26 @@ def test_compiles_for_sm90(tmp_path):
     assert not any(o.startswith(("HMMA", "HGMMA")) for o in st["ops"])
 
 
+def test_preferred_where_it_measured_faster(monkeypatch):
+    """The planned Gluon path takes the warp-specialized kernel for dense fast decode at more than 64
+    heads with long splits (128 heads 64 x 8K: one 8K split a CTA), not at one request (66 splits of
+    2 tiles), 64 heads, the accurate precision, sparse slots or the 656-byte layout; and its splits are
+    the 64-head Gluon config's."""
+    from labkit.kernels import mla_decode as M
+    monkeypatch.setattr(M, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert W.split_len(64, 128, 8192, cuda) == 8192 and W.split_len(1, 128, 8192, cuda) == 128
+    assert W.preferred(128, "fp8_per_tensor", False, "fast", W.split_len(64, 128, 8192, cuda))
+    assert W.preferred(100, "fp8_per_tensor", False, "fast", 32768)
+    assert not W.preferred(128, "fp8_per_tensor", False, "fast", W.split_len(1, 128, 8192, cuda))
+    for args in [(64, "fp8_per_tensor", False, "fast"), (128, "fp8_per_tensor", False, "accurate"),
+                 (128, "fp8_per_tensor", True, "fast"), (128, "fp8_ds_mla", False, "fast")]:
+        assert not W.preferred(*args, 8192), args
+    _, _, wide = G.block_config(128)
+    assert {k: wide[k] for k in ("ctas_per_sm", "min_tiles", "max_splits")} == \
+        {k: W.GPU_CONFIG[k] for k in ("ctas_per_sm", "min_tiles", "max_splits")}
+
+
 def test_refusals_name_the_rule():
     qn, qp = kvpool.make_queries(1, 64, seed=1)
     pool = kvpool.random_pool(1, 256, 64, seed=1)
@@ -104,11 +124,9 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 @hopper
 @pytest.mark.parametrize("page_size,heads", [(64, 64), (128, 128), (64, 40), (64, 100)])
 @pytest.mark.parametrize("precision", ["fast", "accurate"])
-@pytest.mark.parametrize("lazy", [False, True])
-def test_gpu_mla_decode_fp8_ws(page_size, heads, precision, lazy):
+def test_gpu_mla_decode_fp8_ws(page_size, heads, precision):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page; splits of one
-    tile (the second warpgroup owns none), of an odd and an even number of tiles; lazy: the reference
-    max moves only past LAZY_SLACK, and most tiles skip the rescale."""
+    tile (the second warpgroup owns none), of an odd and an even number of tiles."""
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000, 130]
     ptok = page_size * (sum(-(-n // page_size) for n in lens) + 3)
     pool = kvpool.random_pool(1, ptok, page_size, seed=heads, device="cuda")
@@ -123,7 +141,27 @@ def test_gpu_mla_decode_fp8_ws(page_size, heads, precision, lazy):
     for splits in (None, 1, 7, 64):
         out, lse = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                        SM, pool.scale(0), num_splits=splits, return_lse=True, precision=precision,
-                                       num_stages=stages, lazy=lazy)
+                                       num_stages=stages)
         assert out.dtype == qn.dtype and out.shape == qn.shape and torch.isfinite(out).all()
         assert reference.rel_err(out, ref) < tol, (splits, reference.rel_err(out, ref))
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_planned_gluon_path_takes_it_at_128_heads():
+    """fp8_native.gluon at 128 heads with one 16-tile split a CTA (66 requests of 1024 tokens fill the
+    132 SMs' wave): the plan gives the same numbers as this kernel's launcher, within the
+    fast precision's error of the oracle."""
+    from labkit import backends
+    lens = [1024] * 66
+    pool = kvpool.random_pool(1, 64 * (16 * 66 + 4), 64, seed=3, device="cuda")
+    batch = kvpool.batch_for_pool(pool, lens, seed=4)
+    qn, qp = kvpool.make_queries(len(lens), 128, seed=5, device="cuda")
+    assert W.preferred(128, "fp8_per_tensor", False, "fast", W.split_len(66, 128, 1024, qn.device))
+    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
+    want = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
+                               pool.scale(0))
+    assert reference.rel_err(want, ref) < 5e-2
+    be = backends.get("fp8_native.gluon")
+    assert torch.equal(be.plan(pool, batch, 128, SM, qn.dtype).run(qn, qp, 0), want)
