@@ -21,7 +21,6 @@ import torch  # noqa: E402
 from labkit import kvpool, reference, roofline, timing  # noqa: E402
 from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
 from labkit.kernels.mla_decode_fp8_ws import mla_decode_fp8_ws  # noqa: E402
-from labkit.kernels.mla_decode_fp8_ws2 import mla_decode_fp8_ws2  # noqa: E402
 
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
             "s3_c1": dict(num_stages=3, ctas_per_sm=1), "s4_c1": dict(num_stages=4, ctas_per_sm=1),
@@ -31,8 +30,6 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False),
             # the warp-specialized 64-head kernel (mla_decode_fp8_ws): its 4-tile ring, a 3-tile one
             "ws": dict(kernel="ws"), "ws_s3": dict(kernel="ws", num_stages=3),
-            # V^T transposed into shared memory by a producer warpgroup, p @ V at N = 256 (mla_decode_fp8_ws2)
-            "ws2": dict(kernel="ws2"), "ws2_s2": dict(kernel="ws2", num_stages=2),
 }
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
@@ -92,7 +89,7 @@ def main():
             if (a.variants and name not in a.variants) or (B > 1 and name in ONE_REQUEST_ONLY):
                 continue
             kw = {**base, **kw}
-            fn = dict(ws=mla_decode_fp8_ws, ws2=mla_decode_fp8_ws2).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
+            fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
             if fn is not mla_decode_fp8_gluon:
                 if topk:
                     continue  # dense pages only
