@@ -32,14 +32,15 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from .mla_decode import D_CKV
-from .mla_merge import _mla_merge_kernel
+from .mla_merge import PART_DTYPES, _mla_merge_kernel
 
 
 @dataclass
 class SplitKV:
     """Stage-1 scratch and the merge of one batch's split-KV decode.
 
-    part_o:   [B, H, S, 512] float32 partial outputs (S > 1), None when stage 1 writes the output
+    part_o:   [B, H, S, 512] float32 (or bfloat16) partial outputs (S > 1), None when stage 1 writes
+              the output
     part_lse: [B, H, S] float32 log2-sum-exp partials (S > 1), or [B, H] float32 lse (S == 1)
     lse:      [B, H] float32, the merged lse (kept here: decode returns the output only)
     """
@@ -57,14 +58,17 @@ class SplitKV:
     _merge: "Launcher | None" = None
 
     @classmethod
-    def make(cls, batch: int, heads: int, num_splits: int, out_dtype: torch.dtype, device) -> "SplitKV":
+    def make(cls, batch: int, heads: int, num_splits: int, out_dtype: torch.dtype, device,
+             part_dtype: torch.dtype = torch.float32) -> "SplitKV":
         if num_splits < 1:
             raise ValueError(f"num_splits={num_splits}: must be >= 1")
+        if part_dtype not in PART_DTYPES:
+            raise ValueError(f"part_dtype={part_dtype}; allowed {[str(d) for d in PART_DTYPES]}")
         device = torch.device(device)
         lse = torch.empty(batch, heads, dtype=torch.float32, device=device)
         if num_splits == 1:
             return cls(batch, heads, 1, out_dtype, device, None, lse, lse, (), {})
-        part_o = torch.empty(batch, heads, num_splits, D_CKV, dtype=torch.float32, device=device)
+        part_o = torch.empty(batch, heads, num_splits, D_CKV, dtype=part_dtype, device=device)
         part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
         grid, meta = merge_launch(batch, heads, num_splits, out_dtype, device)
         return cls(batch, heads, num_splits, out_dtype, device, part_o, part_lse, lse, grid, meta)

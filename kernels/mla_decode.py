@@ -156,14 +156,14 @@ def resolve_splits(kernel: str, num_splits, batch: int, head_blocks: int, kv_len
     return num_splits
 
 
-def decode_buffers(batch: int, heads: int, num_splits: int, out_dtype, device):
+def decode_buffers(batch: int, heads: int, num_splits: int, out_dtype, device, part_dtype=torch.float32):
     """What stage 1 writes: with one split (or no request) the final out [B, H, 512] and lse [B, H];
-    else fp32 partials [B, H, S, 512] and log2-sum-exp [B, H, S] for ``mla_merge``.
-    Returns (direct, o_buf, lse_buf)."""
+    else partials [B, H, S, 512] ``part_dtype`` (fp32, or bf16 for the fast precision) and fp32
+    log2-sum-exp [B, H, S] for ``mla_merge``. Returns (direct, o_buf, lse_buf)."""
     if num_splits == 1 or batch == 0:
         return (True, torch.empty(batch, heads, D_CKV, dtype=out_dtype, device=device),
                 torch.empty(batch, heads, dtype=torch.float32, device=device))
-    return (False, torch.empty(batch, heads, num_splits, D_CKV, dtype=torch.float32, device=device),
+    return (False, torch.empty(batch, heads, num_splits, D_CKV, dtype=part_dtype, device=device),
             torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device))
 
 

@@ -514,7 +514,7 @@ if HAS_GLUON:
         kv_lens_ptr,  # *i32 [B]
         tok_ptr,  # SPARSE: *i32 [B, topk] token slots (global row ids, -1 = none)
         topk,  # SPARSE: slots per request
-        o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
+        o_ptr,  # *f32 or *bf16 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
         lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
         qk_scale,  # sm_scale * k_scale * log2(e)
         out_scale,  # v_scale; DIRECT only
@@ -690,7 +690,7 @@ if HAS_GLUON:
             gl.store(lse_ptr + b * H + h_o, lse, mask=h_o < H)
         else:
             row_o = (b * H + h_o) * num_splits + split
-            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], out * inv[None, :], mask=hmask_o)
+            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], (out * inv[None, :]).to(o_ptr.dtype.element_ty), mask=hmask_o)
             lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), -float("inf"))
             gl.store(lse_ptr + row_o, lse2, mask=h_o < H)
 
@@ -770,6 +770,21 @@ def capped_splits(num_splits: int, seq_len: int, precision: str, max_split_len: 
     return max(num_splits, triton.cdiv(seq_len, max_split_len))
 
 
+# The split partials' dtype per precision. bf16 partials halve the bytes a split writes and the
+# merge reads (B*H*S*512*2 B each way; 16.8 MB of fp32 at 128 heads, one request, 64 splits) and
+# round each split's output once more (2^-9 relative), far under the fast precision's 2.8e-2.
+PART_DTYPE = {"fast": torch.float32, "accurate": torch.float32}
+
+
+def part_dtype_for(precision: str, part_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The partials' dtype: ``part_dtype`` if given (float32 or bfloat16), else ``PART_DTYPE[precision]``."""
+    if part_dtype is None:
+        return PART_DTYPE[precision]
+    if part_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"part_dtype={part_dtype}; allowed ['torch.float32', 'torch.bfloat16']")
+    return part_dtype
+
+
 KV_LAYOUTS = tuple(LAYOUT_ROW)  # fp8_ds_mla rows: e4m3 NoPE at 0, fp32 scales at byte 512, bf16 RoPE at 528
 
 
@@ -839,6 +854,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
+    part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -881,7 +897,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                                 topk if sparse else max_len, BLOCK_N, dev, cfg["ctas_per_sm"], cfg["min_tiles"],
                                 cfg["max_splits"])
     num_splits = capped_splits(num_splits, topk if sparse else max_len, precision, max_split_len)
-    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev, part_dtype_for(precision, part_dtype))
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch

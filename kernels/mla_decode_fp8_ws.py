@@ -263,7 +263,7 @@ if HAS_WS:
             gl.store(lse_ptr + b * H + h_o, lse, mask=(h_o < H) & (WG == 0))
         else:
             row_o = (b * H + h_o) * num_splits + split
-            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], out * inv[None, :], mask=hmask)
+            gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], (out * inv[None, :]).to(o_ptr.dtype.element_ty), mask=hmask)
             lse2 = gl.where(l_i > 0, m_fin + gl.log2(l_safe), -float("inf"))
             gl.store(lse_ptr + row_o, lse2, mask=(h_o < H) & (WG == 0))
 
@@ -276,7 +276,7 @@ if HAS_WS:
         kv_indptr_ptr,  # *i32 [B + 1]
         kv_indices_ptr,  # *i32 [nnz] page ids
         kv_lens_ptr,  # *i32 [B]
-        o_ptr,  # *f32 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
+        o_ptr,  # *f32 or *bf16 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
         lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
         qk_scale,  # sm_scale * k_scale * log2(e)
         out_scale,  # v_scale; DIRECT only
@@ -380,7 +380,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
-                      max_split_len: int | None = None):
+                      max_split_len: int | None = None, part_dtype: torch.dtype | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -390,7 +390,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, dense pages, page_size 64 or 128;
         real = stored * k_scale.
     kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 page ids; kv_lens : [B] int32.
-    sm_scale, k_scale, v_scale, num_splits, return_lse, max_len, precision, max_split_len : as in
+    sm_scale, k_scale, v_scale, num_splits, return_lse, max_len, precision, max_split_len, part_dtype : as in
         ``mla_decode_fp8_gluon``. num_stages : ring depth (36 KB each, 2..5).
 
     Returns
@@ -419,7 +419,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     num_splits = resolve_splits("mla_decode_fp8_ws", num_splits, B, head_blocks, kv_lens, max_len, G.BLOCK_N, dev,
                                 GPU_CONFIG["ctas_per_sm"], GPU_CONFIG["min_tiles"], GPU_CONFIG["max_splits"])
     num_splits = G.capped_splits(num_splits, max_len, precision, max_split_len)
-    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev)
+    direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev,
+                                            G.part_dtype_for(precision, part_dtype))
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(G._scratch)

@@ -4,7 +4,7 @@ Used by ``mla_decode`` and ``mla_decode_fp8``. Split s of request b holds, per h
 o_s = sum_j p_j v_j / sum_j p_j (normalised) and lse2_s = log2(sum_j exp2(qk_scale * s_j)),
 -inf for an empty split. Then out = v_scale * sum_s w_s o_s with w_s = 2^(lse2_s - lse2),
 lse2 = log2(sum_s 2^lse2_s), and lse (natural log) = lse2 * ln 2.
-Bytes: B*H*S*(512 + 1)*4 read, B*H*(512*out bytes + 4) written; ~2*B*H*S*512 FLOPs.
+Bytes: B*H*S*(512*part bytes + 4) read (part bytes 4, or 2 for bf16 partials), B*H*(512*out bytes + 4) written; ~2*B*H*S*512 FLOPs.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 LN2 = 0.6931471805599453
+PART_DTYPES = (torch.float32, torch.bfloat16)  # what stage 1 may write its partial outputs in
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def round_to_bf16(x):
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_merge_kernel(
-    part_out_ptr,  # *f32 [B, H, S, DV], contiguous
+    part_out_ptr,  # *f32 or *bf16 [B, H, S, DV], contiguous
     part_lse_ptr,  # *f32 [B, H, S] log2 of each split's sum of exp2, contiguous
     out_ptr,  # *q dtype [B, H, DV]
     lse_ptr,  # *f32 [B, H] natural log
@@ -59,7 +60,7 @@ def _mla_merge_kernel(
     rows = bh[:, None] * num_splits + splits[None, :]  # [BLOCK_H, S_POW2]
     # empty splits are never read: their partials were never written
     o = tl.load(part_out_ptr + rows[:, :, None] * DV + dv[None, None, :],
-                mask=(hmask[:, None] & (w > 0))[:, :, None], other=0.0)  # [BLOCK_H, S_POW2, BLOCK_D]
+                mask=(hmask[:, None] & (w > 0))[:, :, None], other=0.0).to(tl.float32)  # [BLOCK_H, S_POW2, BLOCK_D]
     acc = tl.sum(w[:, :, None] * o, 1)  # [BLOCK_H, BLOCK_D]
     acc = acc * (inv * out_scale)[:, None]
     if RNE_BF16:
@@ -78,7 +79,8 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
     Parameters
     ----------
     part_out : torch.Tensor
-        [B, H, S, DV] ``torch.float32`` contiguous, each split's normalised output (unwritten
+        [B, H, S, DV] ``torch.float32`` (or ``torch.bfloat16``: half the bytes, for the fast
+        precision) contiguous, each split's normalised output (unwritten
         splits must have part_lse = -inf).
     part_lse : torch.Tensor
         [B, H, S] ``torch.float32`` contiguous, log2 of each split's softmax denominator.
@@ -89,8 +91,8 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
     -------
     (out [B, H, DV] ``out_dtype``, lse [B, H] ``torch.float32``, natural log).
     """
-    if part_out.dim() != 4 or part_out.dtype != torch.float32 or not part_out.is_contiguous():
-        raise ValueError(f"part_out must be a contiguous float32 [B, H, S, DV] tensor, got "
+    if part_out.dim() != 4 or part_out.dtype not in PART_DTYPES or not part_out.is_contiguous():
+        raise ValueError(f"part_out must be a contiguous float32 or bfloat16 [B, H, S, DV] tensor, got "
                          f"{tuple(part_out.shape)} {part_out.dtype}")
     B, H, S, DV = part_out.shape
     if part_lse.shape != (B, H, S) or part_lse.dtype != torch.float32 or not part_lse.is_contiguous():

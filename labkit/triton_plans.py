@@ -196,7 +196,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
                        batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"],
                        cfg["min_tiles"], cfg["max_splits"])
     s = G.capped_splits(s, batch.topk if sparse else batch.max_len, precision)
-    split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device)
+    split = SplitKV.make(batch.batch_size, num_heads, s, q_dtype, pool.device, G.part_dtype_for(precision))
     num_rows = pool.num_pages * pool.page_size
     b = batch
     if W.preferred(num_heads, pool.kv_layout, sparse, precision,

@@ -30,6 +30,11 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "pipe_s4_c1": dict(pipeline=True, num_stages=4, ctas_per_sm=1), "nopipe": dict(pipeline=False),
             # the warp-specialized 64-head kernel (mla_decode_fp8_ws): its 4-tile ring, a 3-tile one
             "ws": dict(kernel="ws"), "ws_s3": dict(kernel="ws", num_stages=3),
+            # split partials in bf16 (half the bytes written and merged) and in fp32
+            "p16": dict(part_dtype=torch.bfloat16), "ws_p16": dict(kernel="ws", part_dtype=torch.bfloat16),
+            "p32": dict(part_dtype=torch.float32), "ws_p32": dict(kernel="ws", part_dtype=torch.float32),
+            "n64_p16": dict(num_splits=64, part_dtype=torch.bfloat16),
+            "n128_p16": dict(num_splits=128, part_dtype=torch.bfloat16),
 }
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
@@ -44,10 +49,11 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "bh32": dict(block_h=32), "bh64": dict(block_h=64), "fast_bh64": dict(precision="fast", block_h=64),
                 "fast_nopipe": dict(precision="fast", pipeline=False),
                 "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64),
-                "ws": dict(kernel="ws"), "fast_ws": dict(kernel="ws", precision="fast")}
+                "ws": dict(kernel="ws"), "fast_ws": dict(kernel="ws", precision="fast"),
+                "p16": dict(part_dtype=torch.bfloat16), "p32": dict(part_dtype=torch.float32)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
-ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128")
+ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128", "n64_p16", "n128_p16")
 ACC_SHAPES = [(16, 64, 8192, 0), (16, 32, 32768, 0), (32, 64, 8192, 0), (64, 64, 8192, 0), (128, 64, 8192, 0),
               (64, 1, 8192, 0), (128, 1, 8192, 0), (16, 64, 32768, 2048), (64, 64, 32768, 2048),
               (128, 128, 32768, 2048)]  # (heads, requests, context, topk)

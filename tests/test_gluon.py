@@ -316,7 +316,8 @@ TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
 @hopper
 @pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1), (64, 64), (128, 48), (64, 128)])
 @pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5),
-                                    dict(pipeline=True), dict(pipeline=True, num_stages=2), dict(pipeline=False)])
+                                    dict(pipeline=True), dict(pipeline=True, num_stages=2), dict(pipeline=False),
+                                    dict(part_dtype=torch.bfloat16)])
 def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000]

@@ -123,10 +123,12 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("page_size,heads", [(64, 64), (128, 128), (64, 40), (64, 100)])
-@pytest.mark.parametrize("precision", ["fast", "accurate"])
+@pytest.mark.parametrize("precision", ["fast", "accurate", "fast_p16"])
 def test_gpu_mla_decode_fp8_ws(page_size, heads, precision):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page; splits of one
-    tile (the second warpgroup owns none), of an odd and an even number of tiles."""
+    tile (the second warpgroup owns none), of an odd and an even number of tiles; fast_p16: bf16 partials."""
+    part_dtype = torch.bfloat16 if precision == "fast_p16" else None
+    precision = precision.removesuffix("_p16")
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000, 130]
     ptok = page_size * (sum(-(-n // page_size) for n in lens) + 3)
     pool = kvpool.random_pool(1, ptok, page_size, seed=heads, device="cuda")
@@ -141,7 +143,7 @@ def test_gpu_mla_decode_fp8_ws(page_size, heads, precision):
     for splits in (None, 1, 7, 64):
         out, lse = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices,
                                        batch.kv_lens, SM, pool.scale(0), num_splits=splits, return_lse=True,
-                                       precision=precision, num_stages=stages)
+                                       precision=precision, num_stages=stages, part_dtype=part_dtype)
         assert out.dtype == qn.dtype and out.shape == qn.shape and torch.isfinite(out).all()
         assert reference.rel_err(out, ref) < tol, (splits, reference.rel_err(out, ref))
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2

@@ -354,3 +354,20 @@ def test_merge_against_torch_lse_merge(block_h, block_d):
     ref_lse = torch.logsumexp(lse2.double() * math.log(2), dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_reads_bf16_partials():
+    """The fast precision's bf16 partials: merged in fp32 from the bf16 values as stored."""
+    from labkit.kernels.mla_merge import mla_merge
+
+    g = torch.Generator().manual_seed(12)
+    part = torch.randn(3, 4, 6, 512, generator=g).to(torch.bfloat16)
+    lse2 = torch.randn(3, 4, 6, generator=g) * 3
+    lse2[2, 0, 3:] = -float("inf")
+    out, lse = mla_merge(part, lse2, torch.float32, 2.0, block_h=2, block_d=128)
+    w = torch.softmax(lse2.double() * math.log(2), dim=-1)
+    ref = (w[..., None] * part.double()).sum(2) * 2.0
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(lse2.double() * math.log(2), -1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="part_out must be a contiguous float32 or bfloat16"):
+        mla_merge(part.half(), lse2, torch.float32)

@@ -57,6 +57,9 @@ def test_split_scratch_and_merge_equal_mla_decode_with_splits():
     assert torch.equal(first, want) and torch.equal(second, want)
     with pytest.raises(ValueError, match="num_splits=0"):
         SplitKV.make(2, 16, 0, qn.dtype, "cpu")
+    assert SplitKV.make(2, 16, 3, qn.dtype, "cpu", torch.bfloat16).part_o.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="part_dtype=torch.float16; allowed"):
+        SplitKV.make(2, 16, 3, qn.dtype, "cpu", torch.float16)
 
 
 def test_plan_is_made_once_per_batch(monkeypatch):
