@@ -829,7 +829,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          num_stages: int | None = None, ctas_per_sm: int | None = None, max_len: int | None = None,
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
-                         pipeline: bool | None = None, block_h: int | None = None):
+                         pipeline: bool | None = None, block_h: int | None = None,
+                         part_dtype: torch.dtype | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
