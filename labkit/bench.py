@@ -56,7 +56,7 @@ GRIDS = {
         *[Shape("one", h, 1, 8 * K) for h in (16, 64, 128)],
         Shape("mem", 16, 32, 32 * K), Shape("heads", 32, 64, 8 * K), Shape("mem", 8, 64, 8 * K),
     ],
-    "gpu-heads": [*[Shape("heads", h, 64, 8 * K) for h in (64, 128, 32)], *[Shape("one", h, 1, 8 * K) for h in (64, 128)],
+    "gpu-heads": [*[Shape("heads", h, 64, 8 * K) for h in (64, 128, 32)], *[Shape("one", h, 1, 8 * K) for h in (16, 64, 128)],
                   *[Shape("sparse", h, b, 32 * K, page_size=1, topk=TOPK) for h, b in ((16, 64), (64, 64), (128, 128))],
                   Shape("mem", 16, 64, 8 * K)],
     "gpu-sparse": [Shape("sparse", h, b, 32 * K, page_size=1, topk=TOPK, kv_layout=lay)

@@ -12,7 +12,8 @@ Predicted (``predicted_extra_bytes``), what a fused implementation must allocate
     full_pool_cast  P*1152                 a BF16 copy of the whole layer (none for a BF16 pool)
     gather_cast     L*1152                 a BF16 copy of the rows read (L in whole pages; for a
                                            sparse batch B*topk rows: the copy has a fixed shape)
-    fp8_native      B*H*splits*(512+1)*4   float32 split-KV partial outputs and their LSEs
+    fp8_native      B*H*splits*(512*w+4)   split-KV partial outputs (w = 4 bytes fp32, 2 for the Gluon
+                                           kernels' fast bf16 partials) and their fp32 LSEs
     bf16_pool       0
 plus the output B*H*512*2 for every path. The copies are BF16 whatever the stored row (576 B
 fp8_per_tensor, 656 B fp8_ds_mla): ``kv_layout`` only tells whether there is anything to cast.
@@ -80,9 +81,9 @@ def extra_memory(fn, device) -> int:
 
 def predicted_extra_bytes(path: str, pool_tokens: int, tokens_read: int, batch: int, heads: int,
                           kv_dtype: str = "fp8_e4m3", num_splits: int = 1, d_ckv: int = 512,
-                          d_kpe: int = 64, kv_layout: str | None = None) -> int:
+                          d_kpe: int = 64, kv_layout: str | None = None, part_bytes: int = 4) -> int:
     """Bytes a fused ``path`` must allocate for one layer (see module docstring); ``kv_layout``
-    (labkit.kvlayout name) overrides what ``kv_dtype`` means."""
+    (labkit.kvlayout name) overrides what ``kv_dtype`` means; ``part_bytes``: 4 (fp32 partials) or 2 (bf16)."""
     layout = kvlayout.check_layout(layout_of(kv_dtype, kv_layout))
     bf16_row = (d_ckv + d_kpe) * 2
     out = batch * heads * d_ckv * 2
@@ -91,7 +92,9 @@ def predicted_extra_bytes(path: str, pool_tokens: int, tokens_read: int, batch: 
     if path == "gather_cast":
         return tokens_read * bf16_row + out
     if path == "fp8_native":
-        return batch * heads * num_splits * (d_ckv + 1) * 4 + out
+        if part_bytes not in (2, 4):
+            raise ValueError(f"part_bytes={part_bytes}; allowed 2 (bf16 partials), 4 (fp32)")
+        return batch * heads * num_splits * (d_ckv * part_bytes + 4) + out
     if path == "bf16_pool":
         return out
     raise ValueError(f"path={path!r}; allowed: full_pool_cast, gather_cast, fp8_native, bf16_pool")

@@ -191,6 +191,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     views = [R.rows_views(pool.layer(i), pool.kv_layout) for i in range(pool.num_layers)]  # e4m3, fp32, bf16
     scales = [1.0] * pool.num_layers if ds else _layers(pool)[1]
     block_h, num_warps, cfg = G.block_config(num_heads)
+    cfg = G.split_rule(cfg, precision)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
                        batch.topk if sparse else batch.max_len, G.BLOCK_N, pool.device, cfg["ctas_per_sm"],

@@ -38,6 +38,7 @@ def test_predicted_hand_counts():
     assert predicted_extra_bytes("full_pool_cast", 495_000, 8_192, 64, 16, kv_dtype="bf16") == out
     assert predicted_extra_bytes("gather_cast", 495_000, 8_192, 64, 16) == 9_437_184 + out
     assert predicted_extra_bytes("fp8_native", 495_000, 8_192, 64, 16, num_splits=8) == 16_809_984 + out
+    assert predicted_extra_bytes("fp8_native", 495_000, 8_192, 64, 16, num_splits=8, part_bytes=2) == 8_421_376 + out
     assert predicted_extra_bytes("bf16_pool", 495_000, 8_192, 64, 16) == out
     with pytest.raises(ValueError, match="path="):
         predicted_extra_bytes("other", 1, 1, 1, 1)
