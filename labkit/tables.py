@@ -57,3 +57,33 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
                                rel_err=d.rel_err[paths].values))
     cols = ["run", "device", "path", "ms_per_layer", "layers", "rest_ms", "step_ms", "tok_s", "seed_tok_s", "rel_err"]
     return pd.concat(tables)[cols].reset_index(drop=True) if tables else pd.DataFrame(columns=cols)
+
+
+# -- a benchmark run against FlashInfer's BF16 kernel, per shape and precision -----------------------
+SHAPE_KEYS = ["shape", "heads", "batch", "ctx", "topk", "kv_layout"]
+
+
+def against_flashinfer(records: pd.DataFrame, value: str = "graph_us") -> pd.DataFrame:
+    """Per benchmark shape (``SHAPE_KEYS``, FlashInfer's own row by heads, batch, context and top-k):
+    FlashInfer's BF16-pool kernel, and the fastest of our ``fp8_native`` kernels per precision with its
+    relative error and FlashInfer / ours (above 1: ours is faster). Pass one run's records (FlashInfer
+    measured beside ours); shapes without a FlashInfer BF16 record are left out."""
+    ok = records[records[value].notna()]
+    key = SHAPE_KEYS[:5]
+    fi = ok[(ok.impl == "flashinfer") & (ok.path == "bf16_pool")].groupby(key)[value].min()
+    ours = ok[(ok.path == "fp8_native") & (ok.impl != "flashinfer")]
+    rows = []
+    for shape, d in ours.groupby(SHAPE_KEYS, sort=False):
+        if shape[:5] not in fi.index:
+            continue
+        ref = float(fi[shape[:5]])
+        row = dict(zip(SHAPE_KEYS, shape), flashinfer_bf16=ref)
+        for prec in ("fast", "accurate"):
+            p = d[d.precision == prec]
+            if p.empty:
+                continue
+            best = p.iloc[int(p[value].to_numpy().argmin())]  # by position: concatenated records repeat labels
+            row.update({prec: float(best[value]), f"{prec}_impl": best.impl, f"{prec}_rel_err": float(best.rel_err),
+                        f"fi/{prec}": ref / float(best[value])})
+        rows.append(row)
+    return pd.DataFrame(rows)
