@@ -38,6 +38,7 @@ HAS_WS = G.HAS_GLUON and hasattr(getattr(G, "gl", None), "warp_specialize")
 if HAS_WS:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
@@ -51,6 +52,8 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # 23.2 at 128 heads (the partitions' start-up); accurate (q and p in two terms: 2 KB of spills) 619.5
 # against 535.8.
 MIN_TILES = 16  # per split
+ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
+SPARSE_PREFERRED = True  # sparse slots at more than 64 heads: see ``preferred``
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
 if HAS_WS:
@@ -96,8 +99,65 @@ if HAS_WS:
 
     @gluon.jit
     def _producer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr):
-        """One warp: every tile of the split into the ring, a slot refilled once both consumers freed it."""
+                  DIRECT: gl.constexpr, SPARSE: gl.constexpr, LAG: gl.constexpr):
+        """Every tile of the split into the ring, a slot refilled once both consumers freed it: one warp
+        of TMA copies (pages), or a warpgroup of cp.async row copies (``SPARSE``)."""
+        if SPARSE:
+            _producer_rows(a, NUM_STAGES, LAG)
+        else:
+            _producer_tma(a, NUM_STAGES, PAGE)
+
+    @gluon.jit
+    def _gather_rows(a, t, slot):
+        """Sparse tile t's 64 token rows by cp.async (16 bytes a thread a copy; Hopper's TMA has no row
+        gather) into ring slot ``slot``, 8 rows a pass (2 copies a thread: the producer holds 24
+        registers); a -1 slot or one past the split's end is zero-filled. One commit group a tile."""
+        ckv_ring, kpe_ring = a[1][0], a[1][1]
+        tok_ptr, kv_ptr, start, end = a[6][0], a[6][1], a[3][2], a[3][3]
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
+        pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # a warp: 8 rows of 64 B
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
+        for i in gl.static_range(8):
+            n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl))
+            tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
+                                                   kv_ptr + tok.to(gl.int64)[:, None] * 576 + c[None, :],
+                                                   mask=(tok >= 0)[:, None])
+        n = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
+        tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
+        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
+        async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok.to(gl.int64)[:, None] * 576
+                                               + cp[None, :], mask=(tok >= 0)[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _publish(a, t, NUM_STAGES: gl.constexpr):
+        """Tile t's rows are in (its copies waited for): visible to the MMAs' proxy, then ``full``."""
+        fence_async_shared()
+        G._cta_barrier()  # every producer thread's copies and fences before the one arrival
+        mbarrier.arrive(a[2][0].index(t % NUM_STAGES), count=1)
+
+    @gluon.jit
+    def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr):
+        """Sparse: tile t published once tile t + LAG is issued, so LAG + 1 tiles' rows are in flight
+        while the producer waits. LAG < NUM_STAGES - 1: the ring slot of t + LAG is freed by p @ V of
+        t + LAG - NUM_STAGES, which both consumers finish before they need tile t."""
+        empty = a[2][1]
+        n_tiles = a[3][5]
+        for t in range(n_tiles):
+            slot = t % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
+            _gather_rows(a, t, slot)
+            if t >= LAG:
+                async_copy.wait_group(LAG)
+                _publish(a, t - LAG, NUM_STAGES)
+        async_copy.wait_group(0)
+        for t in range(gl.maximum(n_tiles - LAG, 0), n_tiles):
+            _publish(a, t, NUM_STAGES)
+
+    @gluon.jit
+    def _producer_tma(a, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr):
+        """Dense: one warp, a 64-token tile of one page by two TMA copies."""
         ckv_desc, kpe_desc, ckv_tail, kpe_tail = a[0]
         ckv_ring, kpe_ring = a[1][0], a[1][1]
         full, empty = a[2][0], a[2][1]
@@ -162,17 +222,24 @@ if HAS_WS:
         return s
 
     @gluon.jit
-    def _softmax(a, t, s, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
+    def _valid(a, t, SPARSE: gl.constexpr):
+        """[64] which of tile t's tokens count: before the split's end and (sparse) a slot >= 0."""
+        start, end = a[3][2], a[3][3]
+        tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout()))
+        if SPARSE:
+            return gl.load(a[6][0] + tok, mask=tok < end, other=-1) >= 0
+        return tok < end
+
+    @gluon.jit
+    def _softmax(a, t, s, valid, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
         """Tile t's scores s (this warpgroup's tile) -> the running max after it; p_t, m_t and
         alpha_t published to the other warpgroup (``p_ready``)."""
         p_smem, stat = a[1][4], a[1][5]
         p_ready, p_free = a[2][2], a[2][3]
-        start, end = a[3][2], a[3][3]
         qk_scale = a[4][0]
         NQ: gl.constexpr = 2 if SPLIT else 1
         s_layout: gl.constexpr = _mma_layout()
-        tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((tok < end)[None, :], s * qk_scale, -float("inf"))
+        s = gl.where(valid[None, :], s * qk_scale, -float("inf"))
         row_max = gl.max(s, axis=1)
         b = t % 2
         if t > 0:  # m_{t-1} from the other warpgroup
@@ -200,12 +267,15 @@ if HAS_WS:
         return m_new, l_own
 
     @gluon.jit
-    def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    def _own_tile(a, t, acc, m_own, l_own, WG: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                  SPARSE: gl.constexpr):
         """Tile t (this warpgroup's): its scores and softmax, then p @ V of the other's tile t - 1 and
         of t. (Issuing p @ V of t - 1 behind the scores of t, the softmax under it, took 169 us
         against 154 at 64 heads, 64 x 8K: the softmax chain between the warpgroups is the longer.)"""
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores_issue(a, t, NUM_STAGES, SPLIT), ))
-        m_own, l_own = _softmax(a, t, s, m_own, l_own, WG, SPLIT)
+        s = _scores_issue(a, t, NUM_STAGES, SPLIT)
+        valid = _valid(a, t, SPARSE)  # (sparse: the slots' load under the MMA)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        m_own, l_own = _softmax(a, t, s, valid, m_own, l_own, WG, SPLIT)
         if t > 0:
             acc = _pv(a, acc, t - 1, WG, NUM_STAGES, SPLIT)
         acc = _pv(a, acc, t, WG, NUM_STAGES, SPLIT)
@@ -213,7 +283,7 @@ if HAS_WS:
 
     @gluon.jit
     def _consumer(a, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                  DIRECT: gl.constexpr):
+                  DIRECT: gl.constexpr, SPARSE: gl.constexpr):
         """Warpgroup WG: the softmax of tiles WG, WG + 2, ..., p @ V of every tile on its 256 columns,
         then its columns of the output."""
         stat = a[1][5]
@@ -224,7 +294,7 @@ if HAS_WS:
         l_own = gl.zeros([64], gl.float32, row_l)
         acc = gl.zeros([256, 64], gl.float32, _mma_layout())  # out^T, rows relabelled
         for t in range(WG, n_tiles, 2):
-            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT)
+            acc, m_own, l_own = _own_tile(a, t, acc, m_own, l_own, WG, NUM_STAGES, SPLIT, SPARSE)
         last = n_tiles - 1
         if (last >= 0) & (last % 2 != WG):  # the last tile is the other warpgroup's
             mbarrier.wait(p_ready.index(last % 2), (last // 2) & 1)
@@ -267,6 +337,25 @@ if HAS_WS:
             lse2 = gl.where(l_i > 0, m_fin + gl.log2(l_safe), -float("inf"))
             gl.store(lse_ptr + row_o, lse2, mask=(h_o < H) & (WG == 0))
 
+    @gluon.jit
+    def _descriptors(kv_ptr, num_rows, kv_indices_ptr, page_base, start, end, n_full, n_tiles, PAGE: gl.constexpr):
+        """Dense: TMA descriptors of the pool as token rows, and of the partial last tile's rows (if any)
+        up to the request's end, so that the box past it reads as zeros."""
+        ckv_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        kpe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
+        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
+        if n_full < n_tiles:
+            n0_tail = start + n_full * 64
+            tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
+            tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
+            ckv_tail = tma.make_tensor_descriptor(tail_ptr, [end - n0_tail, 512], [576, 1], [64, 512], ckv_sl)
+            kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [end - n0_tail, 64], [576, 1], [64, 64], kpe_sl)
+        else:
+            ckv_tail = ckv_desc
+            kpe_tail = kpe_desc
+        return ckv_desc, kpe_desc, ckv_tail, kpe_tail
+
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_ws_kernel(
         q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
@@ -276,6 +365,8 @@ if HAS_WS:
         kv_indptr_ptr,  # *i32 [B + 1]
         kv_indices_ptr,  # *i32 [nnz] page ids
         kv_lens_ptr,  # *i32 [B]
+        tok_ptr,  # SPARSE: *i32 [B, topk] token slots (global row ids, -1 = none)
+        topk,  # SPARSE: slots per request
         o_ptr,  # *f32 or *bf16 [B, H, S, 512] partials, or *out dtype [B, H, 512] when DIRECT
         lse_ptr,  # *f32 [B, H, S] log2-sum-exp partials, or [B, H] natural log when DIRECT
         qk_scale,  # sm_scale * k_scale * log2(e)
@@ -288,6 +379,8 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
+        SPARSE: gl.constexpr = False,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
+        ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
         hblk = gl.program_id(1)
@@ -316,24 +409,20 @@ if HAS_WS:
             mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(fin.index(0), count=2)
 
-        seq_len = gl.load(kv_lens_ptr + b)
+        if SPARSE:
+            seq_len = topk
+        else:
+            seq_len = gl.load(kv_lens_ptr + b)
         page_base = gl.load(kv_indptr_ptr + b)
         split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
         start = split * split_len
         end = gl.minimum(start + split_len, seq_len)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
         n_full = gl.maximum(end - start, 0) // 64
-        ckv_desc = tma.make_tensor_descriptor(kv_ptr, [num_rows, 512], [576, 1], [64, 512], ckv_sl)
-        kpe_desc = tma.make_tensor_descriptor(kv_ptr + 512, [num_rows, 64], [576, 1], [64, 64], kpe_sl)
-        if n_full < n_tiles:
-            n0_tail = start + n_full * 64
-            tail_row = gl.load(kv_indices_ptr + page_base + n0_tail // PAGE) * PAGE + n0_tail % PAGE
-            tail_ptr = kv_ptr + tail_row.to(gl.int64) * 576
-            ckv_tail = tma.make_tensor_descriptor(tail_ptr, [end - n0_tail, 512], [576, 1], [64, 512], ckv_sl)
-            kpe_tail = tma.make_tensor_descriptor(tail_ptr + 512, [end - n0_tail, 64], [576, 1], [64, 64], kpe_sl)
+        if SPARSE:  # rows come by cp.async: no descriptors
+            descs = (kv_ptr, kv_ptr, kv_ptr, kv_ptr)
         else:
-            ckv_tail = ckv_desc
-            kpe_tail = kpe_desc
+            descs = _descriptors(kv_ptr, num_rows, kv_indices_ptr, page_base, start, end, n_full, n_tiles, PAGE)
 
         # the query in e4m3, one scale for the CTA (amax / 448; SPLIT: / 28, two terms), 128 columns a pass
         heads = hblk * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
@@ -351,21 +440,23 @@ if HAS_WS:
         G._cta_barrier()
         qk_scale = qk_scale * q_sc * (0.0625 if SPLIT else 1.0)
 
-        a = ((ckv_desc, kpe_desc, ckv_tail, kpe_tail), (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
+        a = (descs, (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
              (full, empty, p_ready, p_free, fin), (kv_indices_ptr, page_base, start, end, n_full, n_tiles),
-             (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h))
-        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT)),
-                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT)),
-                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT))],
-                           [4, 1], _REGS)
+             (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h),
+             (tok_ptr + b.to(gl.int64) * topk, kv_ptr))
+        gl.warp_specialize([(_consumer, (a, 0, NUM_STAGES, PAGE, SPLIT, DIRECT, SPARSE)),
+                            (_consumer, (a, 1, NUM_STAGES, PAGE, SPLIT, DIRECT, SPARSE)),
+                            (_producer, (a, 2, NUM_STAGES, PAGE, SPLIT, DIRECT, SPARSE, ROWS_LAG))],
+                           [4, 4 if SPARSE else 1], _REGS)
 
 
 def preferred(num_heads: int, kv_layout: str, sparse: bool, precision: str, split_len: int) -> bool:
     """Whether the planned FP8-native Gluon path launches this kernel rather than
-    ``mla_decode_fp8_gluon``: dense per-tensor pages, the fast precision, more than 64 heads (two
-    head blocks), splits of at least MIN_TILES tiles (``split_len`` tokens)."""
-    return (HAS_WS and not sparse and kv_layout == "fp8_per_tensor" and precision == "fast" and num_heads > BLOCK_H
-            and split_len >= MIN_TILES * G.BLOCK_N)
+    ``mla_decode_fp8_gluon``: per-tensor FP8, the fast precision, more than 64 heads (two head blocks),
+    splits of at least MIN_TILES tiles (``split_len`` tokens: the sparse top-k's or the context's);
+    sparse slots too where ``SPARSE_PREFERRED``."""
+    return (HAS_WS and (SPARSE_PREFERRED or not sparse) and kv_layout == "fp8_per_tensor" and precision == "fast"
+            and num_heads > BLOCK_H and split_len >= MIN_TILES * G.BLOCK_N)
 
 
 def split_len(batch: int, num_heads: int, max_len: int, device) -> int:
@@ -380,18 +471,22 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
-                      max_split_len: int | None = None, part_dtype: torch.dtype | None = None):
+                      max_split_len: int | None = None, part_dtype: torch.dtype | None = None,
+                      token_indices: torch.Tensor | None = None, rows_lag: int = ROWS_LAG):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
     ----------
     q_nope : [B, H, 512] bf16 or fp16 (H in 1..128; blocks of 64 heads), last dim contiguous.
     q_pe : [B, H, 64], same dtype.
-    kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, dense pages, page_size 64 or 128;
-        real = stored * k_scale.
+    kv_buffer : [num_pages, page_size, 576] float8_e4m3fn, dense pages, page_size 64 or 128 (any with
+        ``token_indices``); real = stored * k_scale.
     kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 page ids; kv_lens : [B] int32.
     sm_scale, k_scale, v_scale, num_splits, return_lse, max_len, precision, max_split_len, part_dtype : as in
         ``mla_decode_fp8_gluon``. num_stages : ring depth (36 KB each, 2..5).
+    token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
+        checked where made), read by cp.async from a producer warpgroup. rows_lag : sparse, tiles in
+        flight beyond the one the producer waits for (1 .. num_stages - 2).
 
     Returns
     -------
@@ -400,9 +495,14 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     B, H, page_size = check_decode_args("mla_decode_fp8_ws", q_nope, q_pe, kv_buffer, kv_indptr, kv_indices, kv_lens,
                                         kv_dtypes=(torch.float8_e4m3fn,))
     dev = q_nope.device
+    sparse = token_indices is not None
     if precision not in G.PRECISIONS:
         raise ValueError(f"mla_decode_fp8_ws: precision={precision!r}; allowed {list(G.PRECISIONS)}")
-    G.check_gluon_args(H, page_size, dev)
+    G.check_gluon_args(H, page_size, dev, sparse)
+    if sparse and (token_indices.dtype != torch.int32 or token_indices.dim() != 2 or token_indices.shape[0] != B
+                   or not token_indices.is_contiguous()):
+        raise ValueError(f"mla_decode_fp8_ws: token_indices must be contiguous int32 [B={B}, topk], got "
+                         f"{token_indices.dtype} {tuple(token_indices.shape)}")
     if not HAS_WS:
         raise ValueError(f"mla_decode_fp8_ws: Triton {triton.__version__} has no Gluon warp_specialize")
     if kv_buffer.stride(0) != page_size * 576:
@@ -411,10 +511,15 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     stages = num_stages or (ACCURATE_STAGES if precision == "accurate" else GPU_CONFIG["num_stages"])
     if stages not in (2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_ws: num_stages={stages}; allowed 2..5 (36 KB each)")
+    if sparse and not 1 <= rows_lag <= stages - 2:
+        raise ValueError(f"mla_decode_fp8_ws: rows_lag={rows_lag}; allowed 1..{stages - 2} (num_stages - 2)")
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, BLOCK_H)
-    if max_len is None:
+    topk = token_indices.shape[1] if sparse else 0
+    if sparse:
+        max_len = topk
+    elif max_len is None:
         max_len = int(kv_lens.max()) if B else 0
     num_splits = resolve_splits("mla_decode_fp8_ws", num_splits, B, head_blocks, kv_lens, max_len, G.BLOCK_N, dev,
                                 GPU_CONFIG["ctas_per_sm"], GPU_CONFIG["min_tiles"], GPU_CONFIG["max_splits"])
@@ -425,10 +530,12 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(G._scratch)
     _mla_decode_fp8_ws_kernel[(B, head_blocks, num_splits)](
-        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens, o_buf, lse_buf,
+        q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
+        token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", num_warps=4,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", SPARSE=sparse,
+        ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

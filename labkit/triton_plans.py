@@ -201,7 +201,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     num_rows = pool.num_pages * pool.page_size
     b = batch
     if W.preferred(num_heads, pool.kv_layout, sparse, precision,
-                   W.split_len(batch.batch_size, num_heads, batch.max_len, pool.device) if not sparse else 0):
+                   W.split_len(batch.batch_size, num_heads, batch.topk if sparse else batch.max_len, pool.device)):
         return _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks)
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
@@ -223,19 +223,20 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
 
 
 def _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks):
-    """``mla_decode_fp8_ws`` (dense, fast, 65-128 heads) planned: as ``_gluon``, its own kernel."""
+    """``mla_decode_fp8_ws`` (fast, 65-128 heads, ``W.preferred``) planned: as ``_gluon``, its own kernel."""
     kvs, scales = _layers(pool)
-    s, num_rows = split.num_splits, pool.num_pages * pool.page_size
+    s, num_rows, sparse = split.num_splits, pool.num_pages * pool.page_size, bool(b.topk)
     kernel = Launcher(W._mla_decode_fp8_ws_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
-                      DIRECT=split.direct, NUM_STAGES=W.GPU_CONFIG["num_stages"], SPLIT=False, num_warps=4,
-                      maxnreg=W.MAXNREG)
+                      DIRECT=split.direct, NUM_STAGES=W.GPU_CONFIG["num_stages"], SPLIT=False, SPARSE=sparse,
+                      ROWS_LAG=W.ROWS_LAG, num_warps=4, maxnreg=W.MAXNREG)
 
     def run(q_nope, q_pe, layer, b_layer):
         kv, k_scale = kvs[layer], scales[layer]
+        tok = b_layer.token_indices if sparse else b.kv_lens  # this layer's [B, topk] slots
 
         def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)
-            kernel(q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, o_buf, lse_buf,
+            kernel(q_nope, q_pe, kv, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk, o_buf, lse_buf,
                    float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0), q_nope.stride(1),
                    q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 

@@ -35,7 +35,12 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "p32": dict(part_dtype=torch.float32), "ws_p32": dict(kernel="ws", part_dtype=torch.float32),
             "n64_p16": dict(num_splits=64, part_dtype=torch.bfloat16),
             "n128_p16": dict(num_splits=128, part_dtype=torch.bfloat16),
+            # sparse (--sparse): the warp-specialized kernel's rows by a producer warpgroup, 1 or 2 tiles
+            # in flight beyond the one it waits for
+            "ws_lag2": dict(kernel="ws", rows_lag=2),
 }
+SPARSE_SHAPES = [(16, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
+                 (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)
 # precision="accurate": the FP8 MMA accumulator's error grows with a split's length (labkit.mma_model);
@@ -67,6 +72,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, nargs="*", help="only the shapes with these head counts")
     ap.add_argument("--accurate", action="store_true", help="the precision='accurate' sweep (ACC_VARIANTS)")
+    ap.add_argument("--sparse", action="store_true", help="the fast sweep on sparse shapes (SPARSE_SHAPES, page 1)")
     ap.add_argument("--variants", nargs="*", help="only these variants (names of VARIANTS or ACC_VARIANTS)")
     ap.add_argument("--hot", type=int, default=0, metavar="N",
                     help="dense: every request reads pages 0..N-1 only (page id mod N), so that the tiles come "
@@ -76,7 +82,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     ceil = roofline.measure_ceilings("cuda", cache_dir=out)
     res = dict(env=gk.env_info(), command=" ".join(sys.argv), copy_gbps=ceil.copy_gbps, rows=[])
-    shapes = ACC_SHAPES if a.accurate else [(H, B, L, 0) for H, B, L in SHAPES]
+    shapes = ACC_SHAPES if a.accurate else SPARSE_SHAPES if a.sparse else [(H, B, L, 0) for H, B, L in SHAPES]
     for H, B, L, topk in [s for s in shapes if not a.heads or s[0] in a.heads]:
         page = 1 if topk else 64
         rows = int(B * L * 1.05) // 64 * 64 + 64
@@ -90,18 +96,16 @@ def main():
         qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
         ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, gk.SM_SCALE)
         idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
-        base = dict(precision="accurate", token_indices=batch.slots(0)) if a.accurate else {}
+        base = dict(token_indices=batch.slots(0)) if topk else {}
+        if a.accurate:
+            base["precision"] = "accurate"
         for name, kw in (ACC_VARIANTS if a.accurate else VARIANTS).items():
             if (a.variants and name not in a.variants) or (B > 1 and name in ONE_REQUEST_ONLY):
                 continue
             kw = {**base, **kw}
             fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
-            if fn is not mla_decode_fp8_gluon:
-                if topk:
-                    continue  # dense pages only
-                kw.pop("token_indices", None)
             call = lambda layer, kw=kw, fn=fn: fn(qn, qp, pool.layer(layer), *idx, k_scale=pool.scale(layer),  # noqa: E731
-                                                  max_len=L, **kw)
+                                                  max_len=L if not topk else None, **kw)
             row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"), hot=a.hot)
             try:
                 row["rel_err"] = reference.rel_err(call(0), ref)
@@ -115,7 +119,8 @@ def main():
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             res["rows"].append(row)
             gk.log(json.dumps(row))
-        (out / ("gpu_gluon_accurate.json" if a.accurate else "gpu_gluon.json")).write_text(
+        (out / ("gpu_gluon_accurate.json" if a.accurate else "gpu_gluon_sparse.json" if a.sparse
+                else "gpu_gluon.json")).write_text(
             json.dumps(res, indent=1, default=str))
 
 

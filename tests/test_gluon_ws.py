@@ -86,8 +86,8 @@ def test_compiles_for_sm90(tmp_path):
 def test_preferred_where_it_measured_faster(monkeypatch):
     """The planned Gluon path takes the warp-specialized kernel for dense fast decode at more than 64
     heads with long splits (128 heads 64 x 8K: one 8K split a CTA), not at one request (66 splits of
-    2 tiles), 64 heads, the accurate precision, sparse slots or the 656-byte layout; and its splits are
-    the 64-head Gluon config's."""
+    2 tiles), 64 heads, the accurate precision or the 656-byte layout; sparse slots where
+    SPARSE_PREFERRED; and its splits are the 64-head Gluon config's."""
     from labkit.kernels import mla_decode as M
     monkeypatch.setattr(M, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
@@ -96,8 +96,12 @@ def test_preferred_where_it_measured_faster(monkeypatch):
     assert W.preferred(100, "fp8_per_tensor", False, "fast", 32768)
     assert not W.preferred(128, "fp8_per_tensor", False, "fast", W.split_len(1, 128, 8192, cuda))
     for args in [(64, "fp8_per_tensor", False, "fast"), (128, "fp8_per_tensor", False, "accurate"),
-                 (128, "fp8_per_tensor", True, "fast"), (128, "fp8_ds_mla", False, "fast")]:
+                 (64, "fp8_per_tensor", True, "fast"), (128, "fp8_ds_mla", True, "fast")]:
         assert not W.preferred(*args, 8192), args
+    # sparse top-2048 at 128 heads, 128 requests: one split of 32 tiles a CTA; one request: 32 splits of one
+    assert W.split_len(128, 128, 2048, cuda) == 2048 and W.split_len(1, 128, 2048, cuda) == 64
+    assert W.preferred(128, "fp8_per_tensor", True, "fast", W.split_len(128, 128, 2048, cuda)) == W.SPARSE_PREFERRED
+    assert not W.preferred(128, "fp8_per_tensor", True, "fast", W.split_len(1, 128, 2048, cuda))
     _, _, wide = G.block_config(128)
     assert {k: wide[k] for k in ("ctas_per_sm", "min_tiles", "max_splits")} == \
         {k: W.GPU_CONFIG[k] for k in ("ctas_per_sm", "min_tiles", "max_splits")}
@@ -167,3 +171,50 @@ def test_gpu_planned_gluon_path_takes_it_at_128_heads():
     assert reference.rel_err(want, ref) < 5e-2
     be = backends.get("fp8_native.gluon")
     assert torch.equal(be.plan(pool, batch, 128, SM, qn.dtype).run(qn, qp, 0), want)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page_size,heads", [(1, 128), (1, 64), (64, 100), (16, 128)])
+@pytest.mark.parametrize("precision", ["fast", "accurate"])
+def test_gpu_mla_decode_fp8_ws_sparse(page_size, heads, precision):
+    """Token slots in random order, rows by the producer warpgroup's cp.async: the oracle over the valid
+    slots, with -1 slots anywhere (a whole leading tile of them), a request whose slots are all -1
+    past 17, topk not a multiple of the tile, and splits of one tile to the whole request."""
+    lens, topk = [3000, 17, 4096, 700, 2500], 1000
+    pool = kvpool.random_pool(1, page_size * (sum(-(-n // page_size) for n in lens) + 3), page_size, seed=heads,
+                              device="cuda")
+    batch = kvpool.sparse_batch_for_pool(pool, lens, topk, seed=heads + 1)
+    slots = batch.slots(0).clone()
+    slots[0, :70] = -1
+    slots[2, 100::7] = -1
+    batch = batch.with_slots(slots)
+    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
+    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
+    tol = 3e-3 if precision == "accurate" else 5e-2
+    stages = 3 if precision == "accurate" else None
+    for splits in (None, 1, 5, 16):
+        out, lse = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+                                       SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
+                                       precision=precision, num_stages=stages)
+        assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol, (splits, reference.rel_err(out, ref))
+        assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_planned_gluon_path_sparse_at_128_heads():
+    """fp8_native.gluon on a sparse batch at 128 heads (66 requests x top-1024: one 16-tile split a CTA):
+    the plan gives this kernel's numbers (where SPARSE_PREFERRED), within the fast precision of the oracle."""
+    from labkit import backends
+    lens = [3000] * 66
+    pool = kvpool.random_pool(1, 3000 * 66 + 64, 1, seed=6, device="cuda")
+    batch = kvpool.sparse_batch_for_pool(pool, lens, 1024, seed=7)
+    qn, qp = kvpool.make_queries(len(lens), 128, seed=8, device="cuda")
+    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
+    want = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
+                               pool.scale(0), token_indices=batch.slots(0))
+    assert reference.rel_err(want, ref) < 5e-2
+    got = backends.get("fp8_native.gluon").plan(pool, batch, 128, SM, qn.dtype).run(qn, qp, 0, batch.slots(0))
+    assert reference.rel_err(got, ref) < 5e-2
+    assert torch.equal(got, want) == W.SPARSE_PREFERRED
