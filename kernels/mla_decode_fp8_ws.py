@@ -53,7 +53,7 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # against 535.8.
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
-SPARSE_PREFERRED = True  # sparse slots at more than 64 heads: see ``preferred``
+SPARSE_PREFERRED = False  # sparse slots at more than 64 heads (see ``preferred``): off until measured on a GPU
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
 if HAS_WS:
