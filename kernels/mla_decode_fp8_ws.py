@@ -53,6 +53,7 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # against 535.8.
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
+ROWS_GATHER = "tile"  # sparse: a tile's slots in one load (``_gather_rows``); "pass": 8 rows' a pass
 SPARSE_PREFERRED = False  # sparse slots at more than 64 heads (see ``preferred``): off until measured on a GPU
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
@@ -103,31 +104,45 @@ if HAS_WS:
         """Every tile of the split into the ring, a slot refilled once both consumers freed it: one warp
         of TMA copies (pages), or a warpgroup of cp.async row copies (``SPARSE``)."""
         if SPARSE:
-            _producer_rows(a, NUM_STAGES, LAG)
+            _producer_rows(a, NUM_STAGES, LAG, SPARSE == 2)
         else:
             _producer_tma(a, NUM_STAGES, PAGE)
 
     @gluon.jit
-    def _gather_rows(a, t, slot):
+    def _gather_rows(a, t, slot, GATHER: gl.constexpr):
         """Sparse tile t's 64 token rows by cp.async (16 bytes a thread a copy; Hopper's TMA has no row
-        gather) into ring slot ``slot``, 8 rows a pass (2 copies a thread: the producer holds 24
-        registers); a -1 slot or one past the split's end is zero-filled. One commit group a tile."""
-        ckv_ring, kpe_ring = a[1][0], a[1][1]
+        gather) into ring slot ``slot``; a -1 slot or one past the split's end is zero-filled. One commit
+        group a tile. GATHER 1: the tile's 64 slots in one load, kept in shared memory for the consumers'
+        masks, the rows in 4 passes of 128 columns; GATHER 0: 8 rows a pass, each pass loading its own 8
+        slots (the producer holds 24 registers), the consumers reloading them from global memory."""
+        ckv_ring, kpe_ring, slots = a[1][0], a[1][1], a[1][6]
         tok_ptr, kv_ptr, start, end = a[6][0], a[6][1], a[3][2], a[3][3]
-        cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
         pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # a warp: 8 rows of 64 B
-        c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
-        for i in gl.static_range(8):
-            n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl))
+        n_pe = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
+        if GATHER:
+            cl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # a warp: 4 rows of 128 B
+            n = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
             tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
-            async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
-                                                   kv_ptr + tok.to(gl.int64)[:, None] * 576 + c[None, :],
-                                                   mask=(tok >= 0)[:, None])
-        n = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
-        tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            tok_pe = gl.load(tok_ptr + n_pe, mask=n_pe < end, other=-1)  # issued before either is used
+            slots.index(slot).store(tok)
+            c = gl.arange(0, 128, layout=gl.SliceLayout(0, cl))
+            rows = kv_ptr + tok.to(gl.int64)[:, None] * 576
+            for i in gl.static_range(4):
+                async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 128, 128, dim=1),
+                                                       rows + (i * 128 + c)[None, :], mask=(tok >= 0)[:, None])
+        else:
+            cl8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
+            c8 = gl.arange(0, 512, layout=gl.SliceLayout(0, cl8))
+            for i in gl.static_range(8):
+                n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl8))
+                tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
+                async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
+                                                       kv_ptr + tok.to(gl.int64)[:, None] * 576 + c8[None, :],
+                                                       mask=(tok >= 0)[:, None])
+            tok_pe = gl.load(tok_ptr + n_pe, mask=n_pe < end, other=-1)
         cp = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
-        async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok.to(gl.int64)[:, None] * 576
-                                               + cp[None, :], mask=(tok >= 0)[:, None])
+        async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok_pe.to(gl.int64)[:, None] * 576
+                                               + cp[None, :], mask=(tok_pe >= 0)[:, None])
         async_copy.commit_group()
 
     @gluon.jit
@@ -138,7 +153,7 @@ if HAS_WS:
         mbarrier.arrive(a[2][0].index(t % NUM_STAGES), count=1)
 
     @gluon.jit
-    def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr):
+    def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, GATHER: gl.constexpr):
         """Sparse: tile t published once tile t + LAG is issued, so LAG + 1 tiles' rows are in flight
         while the producer waits. LAG < NUM_STAGES - 1: the ring slot of t + LAG is freed by p @ V of
         t + LAG - NUM_STAGES, which both consumers finish before they need tile t."""
@@ -147,7 +162,7 @@ if HAS_WS:
         for t in range(n_tiles):
             slot = t % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
-            _gather_rows(a, t, slot)
+            _gather_rows(a, t, slot, GATHER)
             if t >= LAG:
                 async_copy.wait_group(LAG)
                 _publish(a, t - LAG, NUM_STAGES)
@@ -222,10 +237,12 @@ if HAS_WS:
         return s
 
     @gluon.jit
-    def _valid(a, t, SPARSE: gl.constexpr):
+    def _valid(a, t, SPARSE: gl.constexpr, NUM_STAGES: gl.constexpr):
         """[64] which of tile t's tokens count: before the split's end and (sparse) a slot >= 0."""
         start, end = a[3][2], a[3][3]
         tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout()))
+        if SPARSE == 2:  # the producer's copy of the tile's slots (-1 past the end)
+            return a[1][6].index(t % NUM_STAGES).load(gl.SliceLayout(0, _mma_layout())) >= 0
         if SPARSE:
             return gl.load(a[6][0] + tok, mask=tok < end, other=-1) >= 0
         return tok < end
@@ -273,7 +290,7 @@ if HAS_WS:
         of t. (Issuing p @ V of t - 1 behind the scores of t, the softmax under it, took 169 us
         against 154 at 64 heads, 64 x 8K: the softmax chain between the warpgroups is the longer.)"""
         s = _scores_issue(a, t, NUM_STAGES, SPLIT)
-        valid = _valid(a, t, SPARSE)  # (sparse: the slots' load under the MMA)
+        valid = _valid(a, t, SPARSE, NUM_STAGES)  # (sparse: the slots' load under the MMA)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_own, l_own = _softmax(a, t, s, valid, m_own, l_own, WG, SPLIT)
         if t > 0:
@@ -379,7 +396,8 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
-        SPARSE: gl.constexpr = False,  # attend to the slots in tok_ptr (rows by cp.async) instead of the pages
+        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages: 2 a
+        # tile's slots in one load, shared with the consumers; 1 eight rows' slots a pass (``_gather_rows``)
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
@@ -396,6 +414,7 @@ if HAS_WS:
         p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NQ, 64, 64], kpe_sl)
         # rows: m_t and alpha_t of the two p buffers, then each warpgroup's last max and sum of p
         stat = gl.allocate_shared_memory(gl.float32, [8, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        slots = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -440,7 +459,7 @@ if HAS_WS:
         G._cta_barrier()
         qk_scale = qk_scale * q_sc * (0.0625 if SPLIT else 1.0)
 
-        a = (descs, (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat),
+        a = (descs, (ckv_ring, kpe_ring, qn_smem, qp_smem, p_smem, stat, slots),
              (full, empty, p_ready, p_free, fin), (kv_indices_ptr, page_base, start, end, n_full, n_tiles),
              (qk_scale, out_scale), (o_ptr, lse_ptr, b, hblk, H, num_splits, split, stride_o_b, stride_o_h),
              (tok_ptr + b.to(gl.int64) * topk, kv_ptr))
@@ -472,7 +491,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
                       max_split_len: int | None = None, part_dtype: torch.dtype | None = None,
-                      token_indices: torch.Tensor | None = None, rows_lag: int = ROWS_LAG):
+                      token_indices: torch.Tensor | None = None, rows_lag: int = ROWS_LAG, rows_gather: str = ROWS_GATHER):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -486,7 +505,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         ``mla_decode_fp8_gluon``. num_stages : ring depth (36 KB each, 2..5).
     token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
         checked where made), read by cp.async from a producer warpgroup. rows_lag : sparse, tiles in
-        flight beyond the one the producer waits for (1 .. num_stages - 2).
+        flight beyond the one the producer waits for (1 .. num_stages - 2). rows_gather : sparse, "tile" (a
+        tile's slots in one load, kept in shared memory for the masks) or "pass" (8 rows' slots a pass).
 
     Returns
     -------
@@ -498,6 +518,13 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     sparse = token_indices is not None
     if precision not in G.PRECISIONS:
         raise ValueError(f"mla_decode_fp8_ws: precision={precision!r}; allowed {list(G.PRECISIONS)}")
+    stages = num_stages or (ACCURATE_STAGES if precision == "accurate" else GPU_CONFIG["num_stages"])
+    if stages not in (2, 3, 4, 5):
+        raise ValueError(f"mla_decode_fp8_ws: num_stages={stages}; allowed 2..5 (36 KB each)")
+    if sparse and rows_gather not in ("tile", "pass"):
+        raise ValueError(f"mla_decode_fp8_ws: rows_gather={rows_gather!r}; allowed ['tile', 'pass']")
+    if sparse and not 1 <= rows_lag <= stages - 2:
+        raise ValueError(f"mla_decode_fp8_ws: rows_lag={rows_lag}; allowed 1..{stages - 2} (num_stages - 2)")
     G.check_gluon_args(H, page_size, dev, sparse)
     if sparse and (token_indices.dtype != torch.int32 or token_indices.dim() != 2 or token_indices.shape[0] != B
                    or not token_indices.is_contiguous()):
@@ -508,11 +535,6 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     if kv_buffer.stride(0) != page_size * 576:
         raise ValueError(f"mla_decode_fp8_ws: kv_buffer pages must be dense (stride(0) = page_size * 576), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    stages = num_stages or (ACCURATE_STAGES if precision == "accurate" else GPU_CONFIG["num_stages"])
-    if stages not in (2, 3, 4, 5):
-        raise ValueError(f"mla_decode_fp8_ws: num_stages={stages}; allowed 2..5 (36 KB each)")
-    if sparse and not 1 <= rows_lag <= stages - 2:
-        raise ValueError(f"mla_decode_fp8_ws: rows_lag={rows_lag}; allowed 1..{stages - 2} (num_stages - 2)")
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, BLOCK_H)
@@ -534,7 +556,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", SPARSE=sparse,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate",
+        SPARSE=(2 if rows_gather == "tile" else 1) if sparse else 0,
         ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )

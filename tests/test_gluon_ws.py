@@ -117,6 +117,11 @@ def test_refusals_name_the_rule():
     with pytest.raises(ValueError, match="kv_buffer has dtype"):
         W.mla_decode_fp8_ws(qn, qp, pool.dequant(0, torch.bfloat16), batch.kv_indptr, batch.kv_indices,
                             batch.kv_lens, SM)
+    slots = torch.zeros(1, 64, dtype=torch.int32)
+    for kw, rule in ((dict(rows_gather="rows"), "rows_gather=.rows.; allowed"), (dict(rows_lag=3), "rows_lag=3")):
+        with pytest.raises(ValueError, match=rule):
+            W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
+                                token_indices=slots, **kw)
 
 
 # ------------------------------------------------------------------ GPU -------------------------
@@ -193,11 +198,12 @@ def test_gpu_mla_decode_fp8_ws_sparse(page_size, heads, precision):
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     tol = 3e-3 if precision == "accurate" else 5e-2
     stages = 3 if precision == "accurate" else None
-    for splits in (None, 1, 5, 16):
+    for splits, gather in ((None, "tile"), (1, "tile"), (5, "pass"), (16, "tile"), (None, "pass")):
         out, lse = W.mla_decode_fp8_ws(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                        SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
-                                       precision=precision, num_stages=stages)
-        assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol, (splits, reference.rel_err(out, ref))
+                                       precision=precision, num_stages=stages, rows_gather=gather)
+        err = reference.rel_err(out, ref)
+        assert torch.isfinite(out).all() and err < tol, (splits, gather, err)
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
 
 
