@@ -53,7 +53,8 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # against 535.8.
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
-ROWS_GATHER = "tile"  # sparse: a tile's slots in one load (``_gather_rows``); "pass": 8 rows' a pass
+ROWS_GATHERS = ("pass", "tile", "ahead")  # sparse: how the producer loads the slots (``_producer_rows``)
+ROWS_GATHER = "ahead"
 SPARSE_PREFERRED = False  # sparse slots at more than 64 heads (see ``preferred``): off until measured on a GPU
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
@@ -104,43 +105,57 @@ if HAS_WS:
         """Every tile of the split into the ring, a slot refilled once both consumers freed it: one warp
         of TMA copies (pages), or a warpgroup of cp.async row copies (``SPARSE``)."""
         if SPARSE:
-            _producer_rows(a, NUM_STAGES, LAG, SPARSE == 2)
+            _producer_rows(a, NUM_STAGES, LAG, SPARSE - 1)
         else:
             _producer_tma(a, NUM_STAGES, PAGE)
 
+    @triton.constexpr_function
+    def _rows_layout(width):
+        """Row copies of 16 bytes a thread: a warp covers 4 rows of 128 B (width 128) or 8 of 64 B."""
+        return gl.BlockedLayout([1, 16], [4, 8] if width == 128 else [8, 4], [4, 1], [1, 0])
+
     @gluon.jit
-    def _gather_rows(a, t, slot, GATHER: gl.constexpr):
-        """Sparse tile t's 64 token rows by cp.async (16 bytes a thread a copy; Hopper's TMA has no row
-        gather) into ring slot ``slot``; a -1 slot or one past the split's end is zero-filled. One commit
-        group a tile. GATHER 1: the tile's 64 slots in one load, kept in shared memory for the consumers'
-        masks, the rows in 4 passes of 128 columns; GATHER 0: 8 rows a pass, each pass loading its own 8
-        slots (the producer holds 24 registers), the consumers reloading them from global memory."""
+    def _tile_slots(a, t):
+        """Sparse tile t's 64 token slots (-1 past the split's end), in the two copy layouts."""
+        tok_ptr, start, end = a[6][0], a[3][2], a[3][3]
+        n = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _rows_layout(128)))
+        n_pe = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _rows_layout(64)))
+        return (gl.load(tok_ptr + n, mask=n < end, other=-1), gl.load(tok_ptr + n_pe, mask=n_pe < end, other=-1))
+
+    @gluon.jit
+    def _copy_tile(a, slot, tok, tok_pe):
+        """Rows ``tok`` into ring slot ``slot`` by cp.async (Hopper's TMA has no row gather), 4 passes of
+        128 columns and one of the 64 RoPE bytes; a -1 slot is zero-filled. The slots go to shared
+        memory for the consumers' masks. One commit group."""
         ckv_ring, kpe_ring, slots = a[1][0], a[1][1], a[1][6]
+        kv_ptr = a[6][1]
+        slots.index(slot).store(tok)
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, _rows_layout(128)))
+        rows = kv_ptr + tok.to(gl.int64)[:, None] * 576
+        for i in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 128, 128, dim=1),
+                                                   rows + (i * 128 + c)[None, :], mask=(tok >= 0)[:, None])
+        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, _rows_layout(64)))
+        async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok_pe.to(gl.int64)[:, None] * 576
+                                               + cp[None, :], mask=(tok_pe >= 0)[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _gather_pass(a, t, slot):
+        """``rows_gather="pass"``: 8 rows a pass, each pass loading its own 8 slots (the producer holds 24
+        registers); the consumers reload the slots from global memory for their masks."""
+        ckv_ring, kpe_ring = a[1][0], a[1][1]
         tok_ptr, kv_ptr, start, end = a[6][0], a[6][1], a[3][2], a[3][3]
-        pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # a warp: 8 rows of 64 B
-        n_pe = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
-        if GATHER:
-            cl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # a warp: 4 rows of 128 B
-            n = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+        cl8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
+        c8 = gl.arange(0, 512, layout=gl.SliceLayout(0, cl8))
+        for i in gl.static_range(8):
+            n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl8))
             tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
-            tok_pe = gl.load(tok_ptr + n_pe, mask=n_pe < end, other=-1)  # issued before either is used
-            slots.index(slot).store(tok)
-            c = gl.arange(0, 128, layout=gl.SliceLayout(0, cl))
-            rows = kv_ptr + tok.to(gl.int64)[:, None] * 576
-            for i in gl.static_range(4):
-                async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 128, 128, dim=1),
-                                                       rows + (i * 128 + c)[None, :], mask=(tok >= 0)[:, None])
-        else:
-            cl8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
-            c8 = gl.arange(0, 512, layout=gl.SliceLayout(0, cl8))
-            for i in gl.static_range(8):
-                n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl8))
-                tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
-                async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
-                                                       kv_ptr + tok.to(gl.int64)[:, None] * 576 + c8[None, :],
-                                                       mask=(tok >= 0)[:, None])
-            tok_pe = gl.load(tok_ptr + n_pe, mask=n_pe < end, other=-1)
-        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
+            async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
+                                                   kv_ptr + tok.to(gl.int64)[:, None] * 576 + c8[None, :],
+                                                   mask=(tok >= 0)[:, None])
+        tok_pe = _tile_slots(a, t)[1]
+        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, _rows_layout(64)))
         async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok_pe.to(gl.int64)[:, None] * 576
                                                + cp[None, :], mask=(tok_pe >= 0)[:, None])
         async_copy.commit_group()
@@ -156,13 +171,23 @@ if HAS_WS:
     def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, GATHER: gl.constexpr):
         """Sparse: tile t published once tile t + LAG is issued, so LAG + 1 tiles' rows are in flight
         while the producer waits. LAG < NUM_STAGES - 1: the ring slot of t + LAG is freed by p @ V of
-        t + LAG - NUM_STAGES, which both consumers finish before they need tile t."""
+        t + LAG - NUM_STAGES, which both consumers finish before they need tile t. GATHER (``rows_gather``):
+        0 "pass", 1 "tile" (a tile's slots loaded, then its rows), 2 "ahead" (tile t + 1's slots loaded
+        under tile t's copies, so that no slot load waits in the chain)."""
         empty = a[2][1]
         n_tiles = a[3][5]
+        tok, tok_pe = _tile_slots(a, 0)
         for t in range(n_tiles):
             slot = t % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
-            _gather_rows(a, t, slot, GATHER)
+            if GATHER == 0:
+                _gather_pass(a, t, slot)
+            elif GATHER == 1:
+                tok, tok_pe = _tile_slots(a, t)
+                _copy_tile(a, slot, tok, tok_pe)
+            else:
+                _copy_tile(a, slot, tok, tok_pe)
+                tok, tok_pe = _tile_slots(a, t + 1)
             if t >= LAG:
                 async_copy.wait_group(LAG)
                 _publish(a, t - LAG, NUM_STAGES)
@@ -241,7 +266,7 @@ if HAS_WS:
         """[64] which of tile t's tokens count: before the split's end and (sparse) a slot >= 0."""
         start, end = a[3][2], a[3][3]
         tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout()))
-        if SPARSE == 2:  # the producer's copy of the tile's slots (-1 past the end)
+        if SPARSE >= 2:  # the producer's copy of the tile's slots (-1 past the end)
             return a[1][6].index(t % NUM_STAGES).load(gl.SliceLayout(0, _mma_layout())) >= 0
         if SPARSE:
             return gl.load(a[6][0] + tok, mask=tok < end, other=-1) >= 0
@@ -396,8 +421,8 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
-        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages: 2 a
-        # tile's slots in one load, shared with the consumers; 1 eight rows' slots a pass (``_gather_rows``)
+        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages:
+        # 1 + the gather (``_producer_rows``: 0 pass, 1 tile, 2 ahead)
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
@@ -505,8 +530,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         ``mla_decode_fp8_gluon``. num_stages : ring depth (36 KB each, 2..5).
     token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
         checked where made), read by cp.async from a producer warpgroup. rows_lag : sparse, tiles in
-        flight beyond the one the producer waits for (1 .. num_stages - 2). rows_gather : sparse, "tile" (a
-        tile's slots in one load, kept in shared memory for the masks) or "pass" (8 rows' slots a pass).
+        flight beyond the one the producer waits for (1 .. num_stages - 2). rows_gather : sparse, how the
+        producer loads the slots: "ahead" (the next tile's under this one's copies), "tile" or "pass".
 
     Returns
     -------
@@ -521,8 +546,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     stages = num_stages or (ACCURATE_STAGES if precision == "accurate" else GPU_CONFIG["num_stages"])
     if stages not in (2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_ws: num_stages={stages}; allowed 2..5 (36 KB each)")
-    if sparse and rows_gather not in ("tile", "pass"):
-        raise ValueError(f"mla_decode_fp8_ws: rows_gather={rows_gather!r}; allowed ['tile', 'pass']")
+    if sparse and rows_gather not in ROWS_GATHERS:
+        raise ValueError(f"mla_decode_fp8_ws: rows_gather={rows_gather!r}; allowed {list(ROWS_GATHERS)}")
     if sparse and not 1 <= rows_lag <= stages - 2:
         raise ValueError(f"mla_decode_fp8_ws: rows_lag={rows_lag}; allowed 1..{stages - 2} (num_stages - 2)")
     G.check_gluon_args(H, page_size, dev, sparse)
@@ -557,7 +582,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate",
-        SPARSE=(2 if rows_gather == "tile" else 1) if sparse else 0,
+        SPARSE=1 + ROWS_GATHERS.index(rows_gather) if sparse else 0,
         ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )
