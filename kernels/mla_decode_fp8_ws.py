@@ -53,7 +53,7 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # against 535.8.
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
-ROWS_GATHERS = ("pass", "tile", "ahead")  # sparse: how the producer loads the slots (``_producer_rows``)
+ROWS_GATHERS = ("tile", "ahead")  # sparse: how the producer loads the slots (``_producer_rows``)
 ROWS_GATHER = "ahead"
 SPARSE_PREFERRED = False  # sparse slots at more than 64 heads (see ``preferred``): off until measured on a GPU
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
@@ -141,26 +141,6 @@ if HAS_WS:
         async_copy.commit_group()
 
     @gluon.jit
-    def _gather_pass(a, t, slot):
-        """``rows_gather="pass"``: 8 rows a pass, each pass loading its own 8 slots (the producer holds 24
-        registers); the consumers reload the slots from global memory for their masks."""
-        ckv_ring, kpe_ring = a[1][0], a[1][1]
-        tok_ptr, kv_ptr, start, end = a[6][0], a[6][1], a[3][2], a[3][3]
-        cl8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a warp: one 512 B row
-        c8 = gl.arange(0, 512, layout=gl.SliceLayout(0, cl8))
-        for i in gl.static_range(8):
-            n = start + t * 64 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, cl8))
-            tok = gl.load(tok_ptr + n, mask=n < end, other=-1)
-            async_copy.async_copy_global_to_shared(ckv_ring.index(slot).slice(i * 8, 8, dim=0),
-                                                   kv_ptr + tok.to(gl.int64)[:, None] * 576 + c8[None, :],
-                                                   mask=(tok >= 0)[:, None])
-        tok_pe = _tile_slots(a, t)[1]
-        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, _rows_layout(64)))
-        async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + tok_pe.to(gl.int64)[:, None] * 576
-                                               + cp[None, :], mask=(tok_pe >= 0)[:, None])
-        async_copy.commit_group()
-
-    @gluon.jit
     def _publish(a, t, NUM_STAGES: gl.constexpr):
         """Tile t's rows are in (its copies waited for): visible to the MMAs' proxy, then ``full``."""
         fence_async_shared()
@@ -172,8 +152,8 @@ if HAS_WS:
         """Sparse: tile t published once tile t + LAG is issued, so LAG + 1 tiles' rows are in flight
         while the producer waits. LAG < NUM_STAGES - 1: the ring slot of t + LAG is freed by p @ V of
         t + LAG - NUM_STAGES, which both consumers finish before they need tile t. GATHER (``rows_gather``):
-        0 "pass", 1 "tile" (a tile's slots loaded, then its rows), 2 "ahead" (tile t + 1's slots loaded
-        under tile t's copies, so that no slot load waits in the chain)."""
+        0 "tile" (a tile's slots loaded, then its rows), 1 "ahead" (tile t + 1's slots loaded under tile
+        t's copies, so that no slot load waits in the chain)."""
         empty = a[2][1]
         n_tiles = a[3][5]
         tok, tok_pe = _tile_slots(a, 0)
@@ -181,8 +161,6 @@ if HAS_WS:
             slot = t % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
             if GATHER == 0:
-                _gather_pass(a, t, slot)
-            elif GATHER == 1:
                 tok, tok_pe = _tile_slots(a, t)
                 _copy_tile(a, slot, tok, tok_pe)
             else:
@@ -266,10 +244,8 @@ if HAS_WS:
         """[64] which of tile t's tokens count: before the split's end and (sparse) a slot >= 0."""
         start, end = a[3][2], a[3][3]
         tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout()))
-        if SPARSE >= 2:  # the producer's copy of the tile's slots (-1 past the end)
+        if SPARSE:  # the producer's copy of the tile's slots (-1 past the end)
             return a[1][6].index(t % NUM_STAGES).load(gl.SliceLayout(0, _mma_layout())) >= 0
-        if SPARSE:
-            return gl.load(a[6][0] + tok, mask=tok < end, other=-1) >= 0
         return tok < end
 
     @gluon.jit
@@ -422,7 +398,7 @@ if HAS_WS:
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
         SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages:
-        # 1 + the gather (``_producer_rows``: 0 pass, 1 tile, 2 ahead)
+        # 1 + the gather (``_producer_rows``: 0 tile, 1 ahead)
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
@@ -531,7 +507,8 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
         checked where made), read by cp.async from a producer warpgroup. rows_lag : sparse, tiles in
         flight beyond the one the producer waits for (1 .. num_stages - 2). rows_gather : sparse, how the
-        producer loads the slots: "ahead" (the next tile's under this one's copies), "tile" or "pass".
+        producer loads the slots: "ahead" (the next tile's under this one's copies) or "tile"
+        (a tile's, then its rows).
 
     Returns
     -------
