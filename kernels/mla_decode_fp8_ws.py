@@ -54,8 +54,11 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
 ROWS_GATHERS = ("tile", "ahead")  # sparse: how the producer loads the slots (``_producer_rows``)
-ROWS_GATHER = "ahead"
-SPARSE_PREFERRED = False  # sparse slots at more than 64 heads (see ``preferred``): off until measured on a GPU
+ROWS_GATHER = "tile"  # measured (run 16c); "ahead" compiles but has not run on a GPU
+# Sparse slots at more than 64 heads (see ``preferred``): measured slower than mla_decode_fp8_gluon (run 16,
+# top-2048 of 32K, 128 heads 128 requests: 223.1 us against 208.1 on an H100; 64 requests a draw, 100.8
+# against 101.3), so off the planned path.
+SPARSE_PREFERRED = False
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
 if HAS_WS:
