@@ -5,6 +5,7 @@
     labkit run --dry-run                 # check and print the parameters, run nothing
     labkit profiles                      # the profiles and what they set
     labkit bench --grid gpu              # the benchmark (python -m labkit.bench)
+    labkit targets data/reference/h200/20261206-023000-run16/16b/bench   # one bench run against the targets
 
 A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work;
 a failed notebook (exit 1) or Ctrl-C (exit 130) ends with one line naming the kept run folder.
@@ -93,7 +94,39 @@ def add_bench(sub) -> None:
     sub.add_parser("bench", help="the paths and peers side by side over a shape grid (labkit bench --help)")
 
 
-SUBCOMMANDS = [add_run, add_profiles, add_bench]
+# -- labkit targets ----------------------------------------------------------------------------
+def add_targets(sub) -> None:
+    p = sub.add_parser("targets", help="one benchmark run against FlashInfer's BF16 kernel and data/targets.json")
+    p.add_argument("records", help="a bench.parquet, or the folder that holds one")
+    p.add_argument("--value", default="graph_us", choices=("graph_us", "median_ms"),
+                   help="the timing compared (default: CUDA-graph medians)")
+    p.add_argument("--targets", help="a targets file (default data/targets.json)")
+    p.set_defaults(func=cmd_targets)
+
+
+def cmd_targets(args, argv) -> int:
+    from pathlib import Path
+
+    import pandas as pd
+
+    from . import tables
+
+    path = Path(args.records)
+    path = path / "bench.parquet" if path.is_dir() else path
+    if not path.is_file():
+        return _fail("targets", f"records={args.records!r}: no bench.parquet there")
+    ours = tables.against_flashinfer(pd.read_parquet(path), args.value)
+    if ours.empty:
+        return _fail("targets", f"records={args.records!r}: no shape with both FlashInfer BF16 and fp8_native rows")
+    met = tables.against_targets(ours, tables.load_targets(args.targets))
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3g}".format):
+        print(f"{args.value}, ours against FlashInfer BF16 (fi/ours above 1: ours faster):\n{ours.to_string()}")
+        print(f"\nagainst the targets ({sum(met.met) if len(met) else 0} of {len(met)} met):\n"
+              f"{met.to_string() if len(met) else '(no target shape in this run)'}")
+    return 0
+
+
+SUBCOMMANDS = [add_run, add_profiles, add_bench, add_targets]
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,9 @@
 """Tables from recorded rows: one path's speedup over another, where it stops paying, our fastest
-FP8-native kernel, the decode step."""
+FP8-native kernel, the decode step, a benchmark run against FlashInfer and against the targets."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pandas as pd
 
@@ -86,4 +89,43 @@ def against_flashinfer(records: pd.DataFrame, value: str = "graph_us") -> pd.Dat
             row.update({prec: float(best[value]), f"{prec}_impl": best.impl, f"{prec}_rel_err": float(best.rel_err),
                         f"fi/{prec}": ref / float(best[value])})
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# -- ... and against the targets (data/targets.json) -------------------------------------------------
+TARGETS = Path(__file__).resolve().parent.parent / "data" / "targets.json"
+
+
+def load_targets(path=None) -> dict:
+    return json.loads(Path(path or TARGETS).read_text())
+
+
+def against_targets(table: pd.DataFrame, targets: dict | None = None) -> pd.DataFrame:
+    """Each target shape found in ``table`` (``against_flashinfer`` of one run), per precision: the
+    target and ours in us, FlashInfer's BF16 kernel in the targets and in the run, and whether the
+    target is met. Where FlashInfer drifts more than ``fi_tolerance`` from the targets' figure, the
+    ratio counts: met when FlashInfer (run) / ours >= FlashInfer (targets) / target. An accurate row
+    also needs its relative error within ``max_rel_err``. Shapes not in the run are left out."""
+    targets = load_targets() if targets is None else targets
+    tol, max_err = targets["fi_tolerance"], targets.get("max_rel_err", {})
+    rows = []
+    for t in targets["rows"]:
+        m = table[(table.heads == t["heads"]) & (table.batch == t["batch"]) & (table.ctx == t["ctx"])
+                  & (table.topk == t["topk"]) & (table.kv_layout == t.get("kv_layout", "fp8_per_tensor"))]
+        if m.empty:
+            continue
+        r = m.iloc[0]
+        drift = r.flashinfer_bf16 / t["flashinfer_bf16"] - 1.0
+        by_ratio = abs(drift) > tol
+        for prec in ("fast", "accurate"):
+            if pd.isna(r.get(prec)):
+                continue
+            needed, reached = t["flashinfer_bf16"] / t[prec], r.flashinfer_bf16 / r[prec]
+            met = reached >= needed if by_ratio else r[prec] <= t[prec]
+            met = bool(met and r[f"{prec}_rel_err"] <= max_err.get(prec, float("inf")))
+            rows.append(dict(heads=t["heads"], batch=t["batch"], ctx=t["ctx"], topk=t["topk"], precision=prec,
+                             target_us=t[prec], ours_us=r[prec], impl=r[f"{prec}_impl"],
+                             rel_err=r[f"{prec}_rel_err"], fi_targets=t["flashinfer_bf16"], fi_run=r.flashinfer_bf16,
+                             fi_drift=drift, counts="ratio" if by_ratio else "us", needed=needed, reached=reached,
+                             met=met))
     return pd.DataFrame(rows)

@@ -1,4 +1,5 @@
-"""labkit.tables.against_flashinfer: our fastest kernel per precision beside FlashInfer's BF16 one."""
+"""labkit.tables.against_flashinfer (our fastest kernel per precision beside FlashInfer's BF16 one) and
+against_targets (that table against data/targets.json), and `labkit targets`."""
 import pandas as pd
 import pytest
 
@@ -40,3 +41,55 @@ def test_against_flashinfer_keeps_dense_and_sparse_apart():
     t = tables.against_flashinfer(recs).set_index("topk")
     assert t.loc[0, "fi/fast"] == pytest.approx(1.25) and t.loc[2048, "fi/fast"] == pytest.approx(0.8)
     assert "accurate" not in t
+
+
+def _fi_table(fi, fast, accurate, acc_err=2e-3, heads=16, batch=64, ctx=8192, topk=0):
+    return pd.DataFrame([dict(shape="mem", heads=heads, batch=batch, ctx=ctx, topk=topk, kv_layout="fp8_per_tensor",
+                              flashinfer_bf16=fi, fast=fast, fast_impl="gluon", fast_rel_err=2.8e-2,
+                              accurate=accurate, accurate_impl="gluon_acc", accurate_rel_err=acc_err)])
+
+
+TARGETS = dict(fi_tolerance=0.10, max_rel_err=dict(accurate=3e-3),
+               rows=[dict(heads=16, batch=64, ctx=8192, topk=0, flashinfer_bf16=150, fast=80, accurate=95),
+                     dict(heads=64, batch=1, ctx=8192, topk=0, flashinfer_bf16=25, fast=15, accurate=20)])
+
+
+def test_against_targets_counts_microseconds_while_flashinfer_matches():
+    t = tables.against_targets(_fi_table(fi=160.0, fast=79.0, accurate=96.0), TARGETS).set_index("precision")
+    assert list(t.index) == ["fast", "accurate"]  # the 64-head target is not in the run: left out
+    assert t.loc["fast", "counts"] == "us" and t.loc["fast", "fi_drift"] == pytest.approx(160 / 150 - 1)
+    assert t.loc["fast", "met"] and not t.loc["accurate", "met"]  # 79 <= 80; 96 > 95 though 160/96 > 150/95
+    assert t.loc["accurate", "needed"] == pytest.approx(150 / 95) and t.loc["accurate", "reached"] == pytest.approx(160 / 96)
+
+
+def test_against_targets_counts_the_ratio_where_flashinfer_drifts():
+    t = tables.against_targets(_fi_table(fi=200.0, fast=105.0, accurate=125.0), TARGETS).set_index("precision")
+    assert (t.counts == "ratio").all()
+    assert t.loc["fast", "met"]  # 200 / 105 = 1.90 >= 150 / 80 = 1.875, though 105 us > 80
+    assert t.loc["accurate", "met"]  # 200 / 125 = 1.60 >= 150 / 95 = 1.58
+    t = tables.against_targets(_fi_table(fi=200.0, fast=110.0, accurate=130.0), TARGETS).set_index("precision")
+    assert not t.loc["fast", "met"] and not t.loc["accurate", "met"]  # 1.82 < 1.875; 1.54 < 1.58
+
+
+def test_against_targets_needs_the_accurate_error():
+    t = tables.against_targets(_fi_table(fi=150.0, fast=70.0, accurate=90.0, acc_err=3.5e-3), TARGETS)
+    assert t.set_index("precision").met.to_dict() == {"fast": True, "accurate": False}
+
+
+def test_the_committed_targets_are_issue_16s():
+    rows = tables.load_targets()["rows"]
+    assert len(rows) == 9 and all(r["fast"] < r["flashinfer_bf16"] and r["fast"] <= r["accurate"] for r in rows)
+    by = {(r["heads"], r["batch"], r["topk"]): (r["flashinfer_bf16"], r["fast"], r["accurate"]) for r in rows}
+    assert by[(128, 128, 2048)] == (143, 95, 140) and by[(16, 64, 0)] == (150, 80, 95)
+
+
+def test_labkit_targets_command(tmp_path, capsys):
+    from labkit import cli
+    recs = pd.DataFrame([_rec("flashinfer", "bf16_pool", "accurate", 150.0, heads=16, layout="bf16"),
+                         _rec("gluon", "fp8_native", "fast", 79.0, heads=16, rel_err=2.8e-2)])
+    recs.to_parquet(tmp_path / "bench.parquet")
+    assert cli.main(["targets", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 met" in out and "gluon" in out
+    assert cli.main(["targets", str(tmp_path / "nope")]) == 2
+    assert "records=" in capsys.readouterr().err
