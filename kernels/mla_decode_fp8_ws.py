@@ -59,6 +59,13 @@ ROWS_GATHER = "tile"  # measured (run 16c); "ahead" compiles but has not run on 
 # top-2048 of 32K, 128 heads 128 requests: 223.1 us against 208.1 on an H100; 64 requests a draw, 100.8
 # against 101.3), so off the planned path.
 SPARSE_PREFERRED = False
+
+
+def sparse_mode(sparse: bool, rows_gather: str = ROWS_GATHER) -> int:
+    """The kernel's SPARSE constexpr: 0 dense, else 1 + the index of ``rows_gather`` in ROWS_GATHERS."""
+    return 1 + ROWS_GATHERS.index(rows_gather) if sparse else 0
+
+
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # after setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
 if HAS_WS:
@@ -159,7 +166,7 @@ if HAS_WS:
         t's copies, so that no slot load waits in the chain)."""
         empty = a[2][1]
         n_tiles = a[3][5]
-        tok, tok_pe = _tile_slots(a, 0)
+        tok, tok_pe = _tile_slots(a, 0)  # "ahead"'s first tile (dead for "tile": no load in its SASS)
         for t in range(n_tiles):
             slot = t % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
@@ -245,11 +252,10 @@ if HAS_WS:
     @gluon.jit
     def _valid(a, t, SPARSE: gl.constexpr, NUM_STAGES: gl.constexpr):
         """[64] which of tile t's tokens count: before the split's end and (sparse) a slot >= 0."""
-        start, end = a[3][2], a[3][3]
-        tok = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout()))
         if SPARSE:  # the producer's copy of the tile's slots (-1 past the end)
             return a[1][6].index(t % NUM_STAGES).load(gl.SliceLayout(0, _mma_layout())) >= 0
-        return tok < end
+        start, end = a[3][2], a[3][3]
+        return start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _mma_layout())) < end
 
     @gluon.jit
     def _softmax(a, t, s, valid, m_own, l_own, WG: gl.constexpr, SPLIT: gl.constexpr):
@@ -562,7 +568,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate",
-        SPARSE=1 + ROWS_GATHERS.index(rows_gather) if sparse else 0,
+        SPARSE=sparse_mode(sparse, rows_gather),
         ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )
