@@ -53,17 +53,10 @@ ACCURATE_STAGES = 3  # two e4m3 terms of q and p: 4 stages would need 256 KB of 
 # against 535.8.
 MIN_TILES = 16  # per split
 ROWS_LAG = 1  # sparse: tiles issued past the one the producer waits for (``_producer_rows``)
-ROWS_GATHERS = ("tile", "ahead")  # sparse: how the producer loads the slots (``_producer_rows``)
-ROWS_GATHER = "tile"  # measured (run 16c); "ahead" compiles but has not run on a GPU
 # Sparse slots at more than 64 heads (see ``preferred``): measured slower than mla_decode_fp8_gluon (run 16,
 # top-2048 of 32K, 128 heads 128 requests: 223.1 us against 208.1 on an H100; 64 requests a draw, 100.8
 # against 101.3), so off the planned path.
 SPARSE_PREFERRED = False
-
-
-def sparse_mode(sparse: bool, rows_gather: str = ROWS_GATHER) -> int:
-    """The kernel's SPARSE constexpr: 0 dense, else 1 + the index of ``rows_gather`` in ROWS_GATHERS."""
-    return 1 + ROWS_GATHERS.index(rows_gather) if sparse else 0
 
 
 MAXNREG = 168  # 12 warps (3 warpgroups) at launch: 168 x 384 <= 64K registers
@@ -115,7 +108,7 @@ if HAS_WS:
         """Every tile of the split into the ring, a slot refilled once both consumers freed it: one warp
         of TMA copies (pages), or a warpgroup of cp.async row copies (``SPARSE``)."""
         if SPARSE:
-            _producer_rows(a, NUM_STAGES, LAG, SPARSE - 1)
+            _producer_rows(a, NUM_STAGES, LAG)
         else:
             _producer_tma(a, NUM_STAGES, PAGE)
 
@@ -158,24 +151,18 @@ if HAS_WS:
         mbarrier.arrive(a[2][0].index(t % NUM_STAGES), count=1)
 
     @gluon.jit
-    def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, GATHER: gl.constexpr):
+    def _producer_rows(a, NUM_STAGES: gl.constexpr, LAG: gl.constexpr):
         """Sparse: tile t published once tile t + LAG is issued, so LAG + 1 tiles' rows are in flight
         while the producer waits. LAG < NUM_STAGES - 1: the ring slot of t + LAG is freed by p @ V of
-        t + LAG - NUM_STAGES, which both consumers finish before they need tile t. GATHER (``rows_gather``):
-        0 "tile" (a tile's slots loaded, then its rows), 1 "ahead" (tile t + 1's slots loaded under tile
-        t's copies, so that no slot load waits in the chain)."""
+        t + LAG - NUM_STAGES, which both consumers finish before they need tile t. (Loading tile t + 1's
+        slots under tile t's copies measured slower: 232.3 against 222 us, run 17a.)"""
         empty = a[2][1]
         n_tiles = a[3][5]
-        tok, tok_pe = _tile_slots(a, 0)  # "ahead"'s first tile (dead for "tile": no load in its SASS)
         for t in range(n_tiles):
             slot = t % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # the first round passes
-            if GATHER == 0:
-                tok, tok_pe = _tile_slots(a, t)
-                _copy_tile(a, slot, tok, tok_pe)
-            else:
-                _copy_tile(a, slot, tok, tok_pe)
-                tok, tok_pe = _tile_slots(a, t + 1)
+            tok, tok_pe = _tile_slots(a, t)
+            _copy_tile(a, slot, tok, tok_pe)
             if t >= LAG:
                 async_copy.wait_group(LAG)
                 _publish(a, t - LAG, NUM_STAGES)
@@ -406,8 +393,7 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
-        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages:
-        # 1 + the gather (``_producer_rows``: 0 tile, 1 ahead)
+        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
@@ -501,7 +487,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       v_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False, *,
                       num_stages: int | None = None, max_len: int | None = None, precision: str = "fast",
                       max_split_len: int | None = None, part_dtype: torch.dtype | None = None,
-                      token_indices: torch.Tensor | None = None, rows_lag: int = ROWS_LAG, rows_gather: str = ROWS_GATHER):
+                      token_indices: torch.Tensor | None = None, rows_lag: int = ROWS_LAG):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool, 64 heads a CTA, warp-specialized.
 
     Parameters
@@ -515,9 +501,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         ``mla_decode_fp8_gluon``. num_stages : ring depth (36 KB each, 2..5).
     token_indices : sparse: [B, topk] int32 token slots (global rows page * page_size + slot, -1 = none,
         checked where made), read by cp.async from a producer warpgroup. rows_lag : sparse, tiles in
-        flight beyond the one the producer waits for (1 .. num_stages - 2). rows_gather : sparse, how the
-        producer loads the slots: "ahead" (the next tile's under this one's copies) or "tile"
-        (a tile's, then its rows).
+        flight beyond the one the producer waits for (1 .. num_stages - 2).
 
     Returns
     -------
@@ -532,8 +516,6 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     stages = num_stages or (ACCURATE_STAGES if precision == "accurate" else GPU_CONFIG["num_stages"])
     if stages not in (2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_ws: num_stages={stages}; allowed 2..5 (36 KB each)")
-    if sparse and rows_gather not in ROWS_GATHERS:
-        raise ValueError(f"mla_decode_fp8_ws: rows_gather={rows_gather!r}; allowed {list(ROWS_GATHERS)}")
     if sparse and not 1 <= rows_lag <= stages - 2:
         raise ValueError(f"mla_decode_fp8_ws: rows_lag={rows_lag}; allowed 1..{stages - 2} (num_stages - 2)")
     G.check_gluon_args(H, page_size, dev, sparse)
@@ -568,7 +550,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate",
-        SPARSE=sparse_mode(sparse, rows_gather),
+        SPARSE=sparse,
         ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )

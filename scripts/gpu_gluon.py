@@ -38,8 +38,6 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             # sparse (--sparse): the warp-specialized kernel's rows by a producer warpgroup, 1 or 2 tiles
             # in flight beyond the one it waits for
             "ws_lag2": dict(kernel="ws", rows_lag=2),
-            # ... the next tile's slots loaded under this tile's copies (the default: a tile's, then its rows)
-            "ws_ahead": dict(kernel="ws", rows_gather="ahead"),
 }
 SPARSE_SHAPES = [(16, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
                  (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)

@@ -35,7 +35,7 @@ def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False
                  ds: bool = False, pipe: bool = False, ws: bool = False):
     fn = W._mla_decode_fp8_ws_kernel if ws else G._mla_decode_fp8_gluon_kernel
     num_warps = 8 if block_h == G.WIDE_HEADS and not ws else 4
-    consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=W.sparse_mode(sparse) if ws else int(sparse), SPLIT=int(split),
+    consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
                   DS=int(ds), PIPE=int(pipe), ROWS_LAG=W.ROWS_LAG)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
