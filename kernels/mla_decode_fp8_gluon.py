@@ -79,6 +79,11 @@ P_SCALE = 256.0  # p in [0, 1] is stored as e4m3 of p * 256 (keeps small p out o
 MAX_HEADS = 128
 PRECISIONS = ("fast", "accurate")  # accurate: q and p as two e4m3 terms each
 WIDE_HEADS = 64  # above 32 heads: CTAs of two warpgroups and 64 heads (128 heads: two head blocks)
+# Sparse slots (per-tensor rows) through a shared-memory ring where the CTA has this many warps (64 heads):
+# measured side by side on an H100 (run 17b, top-2048 of 32K): 128 heads 128 requests 181.6 against 201.2
+# us, 64 heads 60.0 against 65.1; at 16-32 heads a draw fast and 15-75% slower accurate (spills), and on
+# fp8_ds_mla rows 5-8% slower, so those keep their slots' global loads.
+SLOT_RING_WARPS = 8
 
 
 def _col_of_row(m):
@@ -254,27 +259,70 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(ckv_tail, [0, 0], bar, ckv_ring.index(slot))
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
+    @triton.constexpr_function
+    def _slot_ring(num_warps):
+        """Whether sparse slots go through the shared-memory ring (``SLOT_RING_WARPS``)."""
+        return num_warps == SLOT_RING_WARPS
+
+    @triton.constexpr_function
+    def _slot_entries(num_stages):
+        """Sparse with a slot ring: tile t's slots sit in ring entry t % this, written NUM_STAGES tiles
+        before its rows are gathered and read until its softmax, while the gathers run NUM_STAGES ahead."""
+        return 2 * num_stages + 1
+
+    @gluon.jit
+    def _fetch_slots(split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Sparse: tile ``tile``'s 64 token slots into the slot ring by cp.async (positions past the
+        split's end arrive as zeros: the readers mask them by position). No commit."""
+        tok_ptr, start, end, n_tiles, toks = split[0], split[2], split[3], split[5], split[6]
+        if tile < n_tiles:
+            sl: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
+            n = start + tile * 64 + gl.arange(0, 64, layout=sl)
+            async_copy.async_copy_global_to_shared(toks.index(tile % _slot_entries(NUM_STAGES)), tok_ptr + n,
+                                                   mask=n < end)
+
+    @gluon.jit
+    def _first_slots(split, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Sparse with a slot ring: the first NUM_STAGES tiles' slots, waited for, before their gathers."""
+        for i in gl.static_range(NUM_STAGES):
+            _fetch_slots(split, i, NUM_STAGES, NUM_WARPS)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _cta_barrier()
+
+    @gluon.jit
+    def _tile_slots(split, tile, layout: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """[64] tile ``tile``'s slots in ``layout``, -1 past the split's end: from the slot ring
+        (``SLOT_RING``) or from global memory."""
+        start, end = split[2], split[3]
+        n = start + tile * 64 + gl.arange(0, 64, layout=layout)
+        if _slot_ring(NUM_WARPS):
+            return gl.where(n < end, split[6].index(tile % _slot_entries(NUM_STAGES)).load(layout), -1)
+        return gl.load(split[0] + n, mask=n < end, other=-1)
+
     @gluon.jit
     def _gather(ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Sparse: the 576-byte rows of tile ``tile``'s 64 token slots by cp.async (16 bytes a thread a
         copy; TMA has no row gather) into its ring slot; a -1 slot or one past the split's end is
-        zero-filled. One commit group per call, empty past the last tile, so the groups count tiles."""
-        tok_ptr, kv_ptr, start, end, n_full, n_tiles = split
-        ckv_ring, kpe_ring, bars = ring
+        zero-filled. With a slot ring (64 heads) the slots come from shared memory, fetched NUM_STAGES
+        tiles earlier (with this call's rows: tile + NUM_STAGES's), so that no global load waits in
+        the tile chain. One commit group per call, empty past the last tile, so the groups count tiles."""
+        kv_ptr, n_tiles = split[1], split[5]
+        ckv_ring, kpe_ring = ring[0], ring[1]
         if tile < n_tiles:
             slot = tile % NUM_STAGES
             cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])  # a warp: one 512 B row
             pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])  # a warp: 8 rows of 64 B
-            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
-            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            t = _tile_slots(split, tile, gl.SliceLayout(1, cl), NUM_STAGES, NUM_WARPS)
             c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
             async_copy.async_copy_global_to_shared(ckv_ring.index(slot), kv_ptr + t.to(gl.int64)[:, None] * 576
                                                    + c[None, :], mask=(t >= 0)[:, None])
-            n = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, pl))
-            t = gl.load(tok_ptr + n, mask=n < end, other=-1)
+            t = _tile_slots(split, tile, gl.SliceLayout(1, pl), NUM_STAGES, NUM_WARPS)
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
             async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + t.to(gl.int64)[:, None] * 576
                                                    + c[None, :], mask=(t >= 0)[:, None])
+            if _slot_ring(NUM_WARPS):
+                _fetch_slots(split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
         async_copy.commit_group()
 
     @gluon.jit
@@ -327,7 +375,7 @@ if HAS_GLUON:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _cta_barrier()  # every warp is done with the slot: refill it
         _refill(descs, ring, split, tile + NUM_STAGES, NUM_STAGES, PAGE, NUM_WARPS, SPARSE)
-        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
+        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE, NUM_STAGES, NUM_WARPS)
         return m_i, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit
@@ -357,14 +405,15 @@ if HAS_GLUON:
         return s
 
     @gluon.jit
-    def _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED: gl.constexpr, SPARSE: gl.constexpr):
+    def _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED: gl.constexpr, SPARSE: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Scores of tile ``tile`` -> (m_new, l_i, p, alpha): the running max and per-row sums updated,
         p = exp2(s - m_new) (at most 1), alpha the old terms' rescale."""
         s = s * qk_scale
         if MASKED:  # rows past the split's end (zeros from the tail descriptor), sparse -1 slots: -inf
             tok = split[2] + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout))
             if SPARSE:
-                valid = gl.load(split[0] + tok, mask=tok < split[3], other=-1) >= 0
+                valid = _tile_slots(split, tile, gl.SliceLayout(1, s.type.layout), NUM_STAGES, NUM_WARPS) >= 0
             else:
                 valid = tok < split[3]
             s = gl.where(valid[:, None], s, -float("inf"))
@@ -398,7 +447,7 @@ if HAS_GLUON:
             s = warpgroup_mma_wait(num_outstanding=NQ, deps=(s, ))  # the scores retire, p @ V runs on
         else:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE)
+        m_i, l_i, p, alpha = _online_softmax(s, split, tile, qk_scale, m_i, l_i, MASKED, SPARSE, NUM_STAGES, NUM_WARPS)
         _store_p(p_smem, p, (tile % 2) * NQ, SPLIT)  # two buffers: the previous p @ V reads the other one
         if HAS_PREV:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -579,6 +628,11 @@ if HAS_GLUON:
         elif SPARSE:
             descs = (kv_ptr, kv_ptr, kv_ptr, kv_ptr)  # unused: rows come by cp.async
             split_ = (tok_ptr + b.to(gl.int64) * topk, kv_ptr, start, end, 0, n_tiles)
+            if _slot_ring(NUM_WARPS):
+                toks = gl.allocate_shared_memory(gl.int32, [_slot_entries(NUM_STAGES), 64],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+                split_ = split_ + (toks, )
+                _first_slots(split_, NUM_STAGES, NUM_WARPS)
             for i in gl.static_range(NUM_STAGES):
                 _gather(ring, split_, i, NUM_STAGES, NUM_WARPS)
         else:
