@@ -10,7 +10,7 @@ times; profile the last one:
     python3 scripts/ncu_cases.py --stalls OUT/gluon64_sass.csv > OUT/gluon64_stalls.txt   # any machine
 
 Cases (CASES): the Gluon decode dense 64 x 8K at 16 and 64 heads (fast, and accurate at 16), sparse
-top-2048 of 32K at 64 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer). ``--stalls``
+top-2048 of 32K at 64 heads (per-tensor and fp8_ds_mla rows) and 128 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer). ``--stalls``
 sums a source page's warp-stall samples: the share of each reason, then the instructions that hold
 the most samples.
 """
@@ -33,17 +33,21 @@ from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E4
 from labkit.kernels.mla_decode_fp8_ws import mla_decode_fp8_ws  # noqa: E402
 
 
-def gluon_case(H: int, B: int, L: int, topk: int = 0, ws: bool = False, **kw):
+def gluon_case(H: int, B: int, L: int, topk: int = 0, ws: bool = False, kv_layout: str = "fp8_per_tensor", **kw):
     page = 1 if topk else 64
-    pool = kvpool.random_pool(1, int(B * max(L, topk) * 1.05) // 64 * 64 + 64, page, device="cuda", seed=H)
+    pool = kvpool.random_pool(1, int(B * max(L, topk) * 1.05) // 64 * 64 + 64, page, device="cuda", seed=H,
+                              kv_layout=kv_layout)
     batch = kvpool.sparse_batch_for_pool(pool, [L] * B, topk, seed=B) if topk else \
         kvpool.batch_for_pool(pool, [L] * B, seed=B)
     qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
     if topk:
         kw["token_indices"] = batch.slots(0)
     fn = mla_decode_fp8_ws if ws else mla_decode_fp8_gluon
+    if kv_layout != "fp8_per_tensor":
+        kw["kv_layout"] = kv_layout
+    k_scale = 1.0 if kv_layout == "fp8_ds_mla" else pool.scale(0)  # ds rows carry their own scales
     return lambda: fn(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-                                        gk.SM_SCALE, k_scale=pool.scale(0), max_len=L, **kw)
+                      gk.SM_SCALE, k_scale=k_scale, max_len=L, **kw)
 
 
 def indexer_case(part: str, B: int = 64, ctx: int = 32768):
@@ -58,6 +62,8 @@ CASES = {
     "gluon16_acc": lambda: gluon_case(16, 64, 8192, precision="accurate"),
     "gluon64": lambda: gluon_case(64, 64, 8192),
     "gluon64_sparse": lambda: gluon_case(64, 64, 32768, topk=2048),
+    "gluon64_sparse_ds": lambda: gluon_case(64, 64, 32768, topk=2048, kv_layout="fp8_ds_mla"),
+    "gluon128_sparse": lambda: gluon_case(128, 128, 32768, topk=2048),
     "ws64": lambda: gluon_case(64, 64, 8192, ws=True),  # the warp-specialized kernel (mla_decode_fp8_ws)
     "ws64_1": lambda: gluon_case(64, 1, 8192, ws=True),
     "logits": lambda: indexer_case("logits"),
