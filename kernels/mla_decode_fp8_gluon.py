@@ -82,7 +82,7 @@ WIDE_HEADS = 64  # above 32 heads: CTAs of two warpgroups and 64 heads (128 head
 # Sparse slots (per-tensor rows) through a shared-memory ring where the CTA has this many warps (64 heads):
 # measured side by side on an H100 (run 17b, top-2048 of 32K): 128 heads 128 requests 181.6 against 201.2
 # us, 64 heads 60.0 against 65.1; at 16-32 heads a draw fast and 15-75% slower accurate (spills), and on
-# fp8_ds_mla rows 5-8% slower, so those keep their slots' global loads.
+# fp8_ds_mla rows 4-11% slower (run 17e), so those keep their slots' global loads.
 SLOT_RING_WARPS = 8
 
 
@@ -175,15 +175,6 @@ if HAS_GLUON:
         b = V_LAYOUT_BASES if num_warps == 4 else V_LAYOUT_BASES8
         return gl.DistributedLinearLayout(reg_bases=b["reg"], lane_bases=b["lane"], warp_bases=b["warp"],
                                           block_bases=[], shape=[64, 512])
-
-    @triton.constexpr_function
-    def _v3_layout(num_warps):
-        """``_v_layout`` seen as [64 tokens, 4 groups, 128 columns] (fp8_ds_mla: a scale per group)."""
-        b = V_LAYOUT_BASES if num_warps == 4 else V_LAYOUT_BASES8
-        return gl.DistributedLinearLayout(reg_bases=[[t, c >> 7, c & 127] for t, c in b["reg"]],
-                                          lane_bases=[[t, c >> 7, c & 127] for t, c in b["lane"]],
-                                          warp_bases=[[t, c >> 7, c & 127] for t, c in b["warp"]],
-                                          block_bases=[], shape=[64, 4, 128])
 
     @triton.constexpr_function
     def _s_layout(num_warps, block_h):
@@ -492,17 +483,23 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _ds_rescale(v, sc, NUM_WARPS: gl.constexpr):
-        """v [64, 512] e4m3 (``_v_layout``), sc [64, 4] fp32 group scales in shared memory -> v with
-        every group brought to its token's largest scale (x 2^-k: exact unless a value drops into
-        e4m3's subnormals), so that one scale per token (a row of the scores, a k of p @ V) remains."""
-        l3: gl.constexpr = _v3_layout(NUM_WARPS)
-        v3 = gl.convert_layout(gl.reshape(v, [64, 4, 128]), l3)  # a rename: the same registers
-        g = sc.load(gl.SliceLayout(2, l3))
+    def _ds_rescale_smem(ckv, sc, NUM_WARPS: gl.constexpr):
+        """fp8_ds_mla: ckv [64, 512] e4m3 in shared memory, sc [64, 4] its tokens' fp32 group scales:
+        every group brought to its token's largest scale in place (x 2^-k: exact unless a value drops
+        into e4m3's subnormals), so that one scale per token (a row of the scores, a k of p @ V)
+        remains. One 128-column group at a time, few registers live: the whole tile in fp16 beside
+        the output accumulator spilled (run 17e: 1.6-1.9x slower)."""
+        g_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])  # [64, 128]
+        s4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        g = sc.load(s4)
         top = gl.max(g, axis=1)
         ratio = gl.where(top[:, None] > 0, g / gl.maximum(top, 1e-30)[:, None], 0.0)
-        v3 = (v3.to(gl.float16) * gl.expand_dims(ratio.to(gl.float16), 2)).to(gl.float8e4nv)
-        return gl.convert_layout(gl.reshape(v3, [64, 512]), _v_layout(NUM_WARPS))
+        col = gl.arange(0, 4, layout=gl.SliceLayout(0, s4))
+        for i in gl.static_range(4):
+            r = gl.convert_layout(gl.sum(gl.where(col[None, :] == i, ratio, 0.0), axis=1), gl.SliceLayout(1, g_layout))
+            part = ckv.slice(i * 128, 128, dim=1)
+            x = part.load(g_layout)
+            part.store((x.to(gl.float16) * r.to(gl.float16)[:, None]).to(gl.float8e4nv))
 
     @gluon.jit
     def _tile_ds(ring, ds_ring, split, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope, m_i, l_i, acc,
@@ -516,8 +513,7 @@ if HAS_GLUON:
         fence_async_shared()
         _cta_barrier()
         ckv = ring[0].index(slot)
-        v = _ds_rescale(ckv.load(_v_layout(NUM_WARPS)), ds_ring[1].index(slot), NUM_WARPS)
-        ckv.store(v)
+        _ds_rescale_smem(ckv, ds_ring[1].index(slot), NUM_WARPS)
         fence_async_shared()
         _cta_barrier()
         s = warpgroup_mma(ckv, qn_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, s_layout),
@@ -528,8 +524,8 @@ if HAS_GLUON:
                                                            instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
         r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
                           gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
-        # the token's largest group scale again, from shared memory: keeping _ds_rescale's copy live
-        # across the MMAs spills more (sm_90 SASS: stack 24 -> 72 bytes at 16 heads, 56 -> 72 at 64)
+        v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, rescaled, under the MMAs
+        # the token's largest group scale again, from shared memory (registers are what this kernel lacks)
         tl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         tok_scale = gl.convert_layout(gl.max(ds_ring[1].index(slot).load(tl), axis=1), gl.SliceLayout(1, s_layout))
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s, r))
@@ -537,10 +533,9 @@ if HAS_GLUON:
         _gather_ds(ring, ds_ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
 
         s = s * (qk_scale * tok_scale)[:, None] + gl.convert_layout(r, s_layout) * qk_rope
-        start = split[2]
-        end = split[3]
-        tok = start + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        valid = (gl.load(split[0] + tok, mask=tok < end, other=-1) >= 0) & (tok_scale > 0)
+        # -1 slots and rows past the split's end arrive as zeros (the copies' zero fill), and a stored
+        # row's scales are > 0 (kvlayout clamps amax): no slot load in the chain for the mask
+        valid = tok_scale > 0
         s = gl.where(valid[:, None], s, -float("inf"))
         w = s + gl.where(valid, gl.log2(gl.maximum(tok_scale, 1e-30)), 0.0)[:, None]
         m_new = gl.maximum(m_i, gl.max(w, axis=0))
