@@ -306,6 +306,32 @@ def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
     assert mmas >= 2 * (18 + 8) and waits <= 12, (mmas, waits)  # two or three tile bodies; a few waits each
 
 
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_path):
+    """Sparse at 64 heads a CTA: the slots come through the shared-memory ring (cp.async), so the only
+    global loads left are the query's (16-bit), and nothing spills; at 16 heads (slots by global loads)
+    the fp8_ds_mla rows' group rescale in shared memory leaves no spill either (it held the whole tile
+    in fp16 registers before, 24 bytes of stack there and 56 at 64 heads)."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+
+    def stats(*args):
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--sparse", *args],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout)
+
+    wide = stats("--block-h", "64", "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
+    loads = {k: v for k, v in wide["ops"].items() if k.startswith("LDG.")}
+    assert set(loads) == {"LDG.E.U16"} and wide["stack"] == 0, (loads, wide["stack"])
+    assert wide["ops"].get("LDGSTS.E", 0) > 0  # the slots' copies (4 bytes here: topk's alignment unknown)
+    narrow = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]))
+    assert narrow["ops"].get("LDG.E", 0) > 0  # 16 heads: the slots by global loads (the ring lost there)
+    ds = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--ds")
+    assert ds["stack"] == 0 and any(k.startswith("HMUL2") for k in ds["ops"]), (ds["stack"], ds["ops"])
+
+
 # ------------------------------------------------------------------ GPU -------------------------
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                             reason="needs a Hopper (sm_90) GPU")
