@@ -129,3 +129,24 @@ def against_targets(table: pd.DataFrame, targets: dict | None = None) -> pd.Data
                              fi_drift=drift, counts="ratio" if by_ratio else "us", needed=needed, reached=reached,
                              met=met))
     return pd.DataFrame(rows)
+
+
+def layout_gap(records: pd.DataFrame, value: str = "graph_us", within: float | None = None) -> pd.DataFrame:
+    """Per sparse shape measured on both FP8 layouts in one run's records, per precision: the fastest
+    ``fp8_native`` kernel of ours on each layout and the 656-byte layout's time over the per-tensor
+    one's; ``met`` where that ratio is at most 1 + ``within`` (default: the targets' ``ds_mla_within``,
+    issue 16's "within 10%"). Shapes measured on one layout only are left out."""
+    within = load_targets()["ds_mla_within"] if within is None else within
+    ok = records[records[value].notna() & (records.path == "fp8_native") & (records.impl != "flashinfer")
+                 & (records.topk > 0)]
+    rows = []
+    for (heads, batch, ctx, topk, prec), d in ok.groupby(["heads", "batch", "ctx", "topk", "precision"], sort=False):
+        pt, ds = d[d.kv_layout == "fp8_per_tensor"], d[d.kv_layout == "fp8_ds_mla"]
+        if pt.empty or ds.empty:
+            continue
+        pt, ds = (x.iloc[int(x[value].to_numpy().argmin())] for x in (pt, ds))
+        ratio = float(ds[value]) / float(pt[value])
+        rows.append(dict(heads=heads, batch=batch, ctx=ctx, topk=topk, precision=prec, per_tensor=float(pt[value]),
+                         per_tensor_impl=pt.impl, ds_mla=float(ds[value]), ds_mla_impl=ds.impl,
+                         ds_mla_rel_err=float(ds.rel_err), ratio=ratio, met=bool(ratio <= 1 + within)))
+    return pd.DataFrame(rows)

@@ -93,3 +93,35 @@ def test_labkit_targets_command(tmp_path, capsys):
     assert "1 of 1 met" in out and "gluon" in out
     assert cli.main(["targets", str(tmp_path / "nope")]) == 2
     assert "records=" in capsys.readouterr().err
+
+
+def _sparse(impl, precision, us, layout, heads=64, rel_err=1e-3):
+    return _rec(impl, "fp8_native", precision, us, heads=heads, shape="sparse", topk=2048, rel_err=rel_err,
+                layout=layout)
+
+
+def test_layout_gap_compares_each_precisions_fastest_on_both_layouts():
+    recs = pd.DataFrame([
+        _sparse("gluon", "fast", 60.0, "fp8_per_tensor"), _sparse("triton_rows", "fast", 100.0, "fp8_per_tensor"),
+        _sparse("gluon", "fast", 65.0, "fp8_ds_mla"),  # 65 / 60 = 1.083: within 10%
+        _sparse("gluon_acc", "accurate", 100.0, "fp8_per_tensor"), _sparse("gluon_acc", "accurate", 137.0, "fp8_ds_mla"),
+        _sparse("triton_rows", "accurate", 126.0, "fp8_ds_mla"),  # the faster accurate one on ds: 1.26
+        _sparse("gluon", "fast", 30.0, "fp8_per_tensor", heads=16),  # one layout only: left out
+        _rec("flashinfer", "fp8_native", "accurate", 10.0, shape="sparse", topk=2048),  # a peer: left out
+        _rec("gluon", "fp8_native", "fast", 10.0),  # dense: left out
+    ])
+    g = tables.layout_gap(recs, within=0.10).set_index("precision")
+    assert list(g.index) == ["fast", "accurate"] and (g.heads == 64).all()
+    assert g.loc["fast", "ratio"] == pytest.approx(65 / 60) and g.loc["fast", "met"]
+    assert (g.loc["accurate", "ds_mla_impl"], g.loc["accurate", "ratio"]) == ("triton_rows", pytest.approx(1.26))
+    assert not g.loc["accurate", "met"]
+    assert tables.layout_gap(recs, within=0.30).met.all()
+
+
+def test_labkit_targets_prints_the_layout_gap_without_flashinfer(tmp_path, capsys):
+    from labkit import cli
+    pd.DataFrame([_sparse("gluon", "fast", 50.0, "fp8_per_tensor"), _sparse("gluon", "fast", 80.0, "fp8_ds_mla")]
+                 ).to_parquet(tmp_path / "bench.parquet")
+    assert cli.main(["targets", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 1 met" in out and "1.6" in out and "against FlashInfer" not in out
