@@ -22,15 +22,17 @@ so that V never goes through shared memory a second time:
   The relabelling is undone when the output is written (a free reshape, then one pass through
   shared memory so that the partials leave in 16-byte stores).
 * Sparse (``token_indices``): a tile is 64 token slots; their rows come by cp.async (no row gather
-  in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size.
+  in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size. At 64 heads
+  a CTA (per-tensor rows) the slots themselves come by cp.async into a shared-memory ring a ring's
+  length ahead of their rows (``SLOT_RING_WARPS``), so no global load waits in the tile chain.
 * Sparse on fp8_ds_mla rows (``DS``, 656 B: 512 e4m3 | 4 fp32 group scales | 64 bf16 RoPE): the
   rows' three parts come by cp.async into three rings; each token's groups are brought to its
-  largest scale in the V registers (x 2^-k, exact unless a value falls into e4m3's subnormals) and
-  written back, so the score MMA stays one K = 512 MMA; RoPE is a BF16 MMA against a BF16 q_pe; the
-  token's scale multiplies its score row and, as log2(scale) added to the logits, its p (the
-  running max is over scores + log2 scale, l sums the plain p). Measured (H200) 2.6x the per-tensor
-  kernel's time at 16 heads: the write-back serializes the tile and the rescale costs ~1000
-  instructions a thread a tile.
+  largest scale in place in shared memory, a 128-column group at a time (x 2^-k, exact unless a
+  value falls into e4m3's subnormals), so the score MMA stays one K = 512 MMA; RoPE is a BF16 MMA
+  against a BF16 q_pe; the token's scale multiplies its score row and, as log2(scale) added to the
+  logits, its p (the running max is over scores + log2 scale, l sums the plain p); a token whose
+  scales are zero (a -1 slot, zero-filled) is masked. Measured (H100, run 17g) 1.25-1.8x the
+  per-tensor rows' time: the rescale's round trip and barrier sit before every tile's score MMA.
 * Pipelined loop (``PIPE``, ``use_pipeline``: the fast precision's default at 17-32 heads, dense):
   a tile's score MMA, then the previous tile's p @ V, both issued before this tile's softmax, which
   runs under them; p in two buffers. At 16 and 64 heads it was slower (run 12: spills, a refill one
@@ -284,7 +286,7 @@ if HAS_GLUON:
     @gluon.jit
     def _tile_slots(split, tile, layout: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """[64] tile ``tile``'s slots in ``layout``, -1 past the split's end: from the slot ring
-        (``SLOT_RING``) or from global memory."""
+        (``_slot_ring``) or from global memory."""
         start, end = split[2], split[3]
         n = start + tile * 64 + gl.arange(0, 64, layout=layout)
         if _slot_ring(NUM_WARPS):
