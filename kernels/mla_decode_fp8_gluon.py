@@ -770,18 +770,30 @@ GPU_CONFIG_WIDE = dict(num_stages=3, ctas_per_sm=1, min_tiles=1, max_splits=128,
 # 151.4 -> 168.8 us): off.
 GPU_CONFIG_32 = dict(GPU_CONFIG, pipeline=True)
 BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two warpgroups of 64
+# 16-32 heads on two warpgroups (``num_warps=8``): the scores split the heads, p @ V the 512 rows, so a
+# thread holds half the accumulator and half of V. sm_90 SASS (Triton 3.7.1 here): 32 heads fast 170
+# registers and no stack against 255 and 256 bytes (sparse) / 168 (the pipelined dense loop) on one
+# warpgroup; accurate 208 and none against 464; 16 heads accurate 167 and none against 112. One CTA an
+# SM (so three stages). Not yet measured on a GPU: ``scripts/gpu_gluon.py --variants default w8`` (and
+# ``--accurate``), ``pytest -m gpu tests/test_gluon.py``.
+GPU_CONFIG_TWO_WG = dict(GPU_CONFIG_WIDE)
 
 
-def block_config(H: int, block_h: int | None = None) -> tuple[int, int, dict]:
+def block_config(H: int, block_h: int | None = None, num_warps: int | None = None) -> tuple[int, int, dict]:
     """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
     two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages). ``block_h``
-    forces one (16 or 32: one warpgroup; 64: two)."""
+    forces one (16 or 32: one warpgroup; 64: two); ``num_warps=8`` puts 16 or 32 on two warpgroups."""
     if block_h is None:
         block_h = 16 if H <= 16 else 32 if H <= 32 else WIDE_HEADS
     if block_h not in BLOCK_HS:
         raise ValueError(f"mla_decode_fp8_gluon: block_h={block_h!r}; allowed {list(BLOCK_HS)}")
+    if num_warps not in (None, 4, 8) or (block_h == WIDE_HEADS and num_warps == 4):
+        raise ValueError(f"mla_decode_fp8_gluon: num_warps={num_warps!r}; allowed 4 or 8 at block_h 16-32, "
+                         f"8 at {WIDE_HEADS} (block_h={block_h})")
     if block_h == WIDE_HEADS:
         return WIDE_HEADS, 8, GPU_CONFIG_WIDE
+    if num_warps == 8:
+        return block_h, 8, GPU_CONFIG_TWO_WG
     return block_h, 4, GPU_CONFIG if block_h == 16 else GPU_CONFIG_32
 
 
@@ -893,7 +905,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
                          pipeline: bool | None = None, block_h: int | None = None,
-                         part_dtype: torch.dtype | None = None):
+                         part_dtype: torch.dtype | None = None, num_warps: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -918,6 +930,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
+    num_warps : 8 puts a 16- or 32-head block on two warpgroups (``GPU_CONFIG_TWO_WG``, not yet
+        measured on a GPU); None: 4 there, 8 at 64.
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
@@ -945,7 +959,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h, num_warps, cfg = block_config(H, block_h)
+    block_h, num_warps, cfg = block_config(H, block_h, num_warps)
     cfg = split_rule(cfg, precision) if part_dtype is None else dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):

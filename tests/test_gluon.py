@@ -251,6 +251,13 @@ def test_pipeline_and_block_rules():
     assert G.block_config(8, block_h=64)[:2] == (64, 8) and G.block_config(64, block_h=32)[:2] == (32, 4)
     with pytest.raises(ValueError, match=r"block_h=48; allowed \[16, 32, 64\]"):
         G.block_config(32, block_h=48)
+    # two warpgroups on a 16- or 32-head block: its own config (one CTA an SM), the plain loop
+    assert G.block_config(32, num_warps=8) == (32, 8, G.GPU_CONFIG_TWO_WG)
+    assert G.block_config(8, num_warps=8)[:2] == (16, 8) and G.block_config(64, num_warps=8)[:2] == (64, 8)
+    assert not G.use_pipeline(G.GPU_CONFIG_TWO_WG, 32, False, False)
+    for kw in (dict(num_warps=6), dict(num_warps=4, block_h=64)):
+        with pytest.raises(ValueError, match=f"num_warps={kw['num_warps']}; allowed 4 or 8"):
+            G.block_config(32, **kw)
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
@@ -332,6 +339,23 @@ def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_
     assert ds["stack"] == 0 and any(k.startswith("HMUL2") for k in ds["ops"]), (ds["stack"], ds["ops"])
 
 
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_two_warpgroups_at_32_heads_compile_without_spills(tmp_path):
+    """num_warps=8 at 32 heads: half the accumulator and V a thread, so neither precision spills (one
+    warpgroup: 256 bytes of stack sparse, 464 accurate dense), and the MMAs split as at 64 heads."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    for extra in ((), ("--accurate", ), ("--sparse", )):
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "32", "--warps", "8",
+                              "--stages", str(G.GPU_CONFIG_TWO_WG["num_stages"]), *extra, "--sass", str(tmp_path / "k.sass")],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-2000:]
+        st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+        assert st["stack"] == 0 and st["regs"] <= 232, (extra, st["regs"], st["stack"])
+        assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) > 0  # scores: 16 heads a warpgroup
+
+
 # ------------------------------------------------------------------ GPU -------------------------
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                             reason="needs a Hopper (sm_90) GPU")
@@ -343,7 +367,7 @@ TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
 @pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1), (64, 64), (128, 48), (64, 128)])
 @pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5),
                                     dict(pipeline=True), dict(pipeline=True, num_stages=2), dict(pipeline=False),
-                                    dict(part_dtype=torch.bfloat16)])
+                                    dict(part_dtype=torch.bfloat16), dict(num_warps=8)])
 def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000]
@@ -391,10 +415,11 @@ def test_gpu_gluon_sparse(page_size, heads):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     pipes = (False, True) if heads > 32 else (False, )  # pipeline=True is refused on sparse slots <= 32 heads
-    for splits, pipeline in [(None, None)] + [(n, p) for n in (1, 5) for p in pipes]:
+    for splits, pipeline, warps in [(None, None, None), (None, None, 8), (5, None, 8)] + [
+            (n, p, None) for n in (1, 5) for p in pipes]:
         out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                           SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
-                                          pipeline=pipeline)
+                                          pipeline=pipeline, num_warps=warps)
         assert torch.isfinite(out).all() and reference.rel_err(out, ref) < TOL_GPU_P8
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
     plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
@@ -420,14 +445,15 @@ def test_gpu_gluon_accurate(heads, sparse):
     ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM)
     errs = {}
     pipes = (False, True) if heads > 32 or not sparse else (False, )
-    for precision, pipeline in [(pr, p) for p in pipes for pr in ("accurate", "fast")]:
+    loops = [(p, None) for p in pipes] + [(False, 8)]  # (pipeline, num_warps): 8 puts <= 32 heads on two warpgroups
+    for precision, (pipeline, warps) in [(pr, lw) for lw in loops for pr in ("accurate", "fast")]:
         out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
                                      pool.scale(0), token_indices=one.token_indices, precision=precision,
-                                     pipeline=pipeline)
-        errs[precision, pipeline] = reference.rel_err(out, ref)
-    for pipeline in pipes:
-        assert errs["accurate", pipeline] < TOL_ACCURATE, errs
-        assert errs["fast", pipeline] > 3 * errs["accurate", pipeline], errs
+                                     pipeline=pipeline, num_warps=warps)
+        errs[precision, pipeline, warps] = reference.rel_err(out, ref)
+    for pipeline, warps in loops:
+        assert errs["accurate", pipeline, warps] < TOL_ACCURATE, errs
+        assert errs["fast", pipeline, warps] > 3 * errs["accurate", pipeline, warps], errs
     plan = backends.get("fp8_native.gluon_acc").plan(pool, batch, heads, SM, qn.dtype)
     assert reference.rel_err(plan.run(qn, qp, 0), ref) < TOL_ACCURATE
     if not sparse:  # one split asked for: the accurate cap still splits the 8K request (4096 tokens each)
