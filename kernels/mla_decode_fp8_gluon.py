@@ -773,9 +773,10 @@ BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two w
 # 16-32 heads on two warpgroups (``num_warps=8``): the scores split the heads, p @ V the 512 rows, so a
 # thread holds half the accumulator and half of V. sm_90 SASS (Triton 3.7.1 here): 32 heads fast 170
 # registers and no stack against 255 and 256 bytes (sparse) / 168 (the pipelined dense loop) on one
-# warpgroup; accurate 208 and none against 464; 16 heads accurate 167 and none against 112. One CTA an
-# SM (so three stages). Not yet measured on a GPU: ``scripts/gpu_gluon.py --variants default w8`` (and
-# ``--accurate``), ``pytest -m gpu tests/test_gluon.py``.
+# warpgroup; accurate 208 and none against 464; fp8_ds_mla rows 196 and none against 256; 16 heads
+# accurate 167 and none against 112. One CTA an SM (so three stages). Not yet measured on a GPU:
+# ``scripts/gpu_gluon.py --heads 16 32 --variants default w8`` (and ``--accurate``, ``--sparse``),
+# ``pytest -m gpu tests/test_gluon.py``.
 GPU_CONFIG_TWO_WG = dict(GPU_CONFIG_WIDE)
 
 

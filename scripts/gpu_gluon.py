@@ -41,7 +41,7 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             # 16-32 heads on two warpgroups (no spills: GPU_CONFIG_TWO_WG)
             "w8": dict(num_warps=8),
 }
-SPARSE_SHAPES = [(16, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
+SPARSE_SHAPES = [(16, 64, 32768, 2048), (32, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
                  (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)
 SHAPES = [(16, 64, 8192), (8, 64, 8192), (16, 128, 8192), (16, 32, 32768), (32, 64, 8192), (16, 1, 8192),
           (64, 64, 8192), (128, 64, 8192), (64, 1, 8192), (128, 1, 8192)]  # (heads, requests, context)

@@ -490,11 +490,11 @@ def test_gpu_gluon_sparse_ds_mla(page_size, heads):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     for precision, tol in (("fast", TOL_GPU_P8), ("accurate", TOL_ACCURATE)):
-        for splits in (None, 1, 5):
+        for splits, warps in ((None, None), (1, None), (5, None), (None, 8), (5, 8)):  # 8: two warpgroups
             out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                               SM, num_splits=splits, return_lse=True, token_indices=slots,
-                                              precision=precision, kv_layout="fp8_ds_mla")
-            assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol, (precision, splits)
+                                              precision=precision, kv_layout="fp8_ds_mla", num_warps=warps)
+            assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol, (precision, splits, warps)
             assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
         name = "fp8_native.gluon" if precision == "fast" else "fp8_native.gluon_acc"
         plan = backends.get(name).plan(pool, batch, heads, SM, qn.dtype)
