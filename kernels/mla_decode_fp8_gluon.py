@@ -404,11 +404,10 @@ if HAS_GLUON:
         p = exp2(s - m_new) (at most 1), alpha the old terms' rescale."""
         s = s * qk_scale
         if MASKED:  # rows past the split's end (zeros from the tail descriptor), sparse -1 slots: -inf
-            tok = split[2] + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout))
-            if SPARSE:
+            if SPARSE:  # -1 past the end too
                 valid = _tile_slots(split, tile, gl.SliceLayout(1, s.type.layout), NUM_STAGES, NUM_WARPS) >= 0
             else:
-                valid = tok < split[3]
+                valid = split[2] + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout)) < split[3]
             s = gl.where(valid[:, None], s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a sparse tile may have no valid slot yet

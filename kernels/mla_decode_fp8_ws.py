@@ -287,7 +287,7 @@ if HAS_WS:
         of t. (Issuing p @ V of t - 1 behind the scores of t, the softmax under it, took 169 us
         against 154 at 64 heads, 64 x 8K: the softmax chain between the warpgroups is the longer.)"""
         s = _scores_issue(a, t, NUM_STAGES, SPLIT)
-        valid = _valid(a, t, SPARSE, NUM_STAGES)  # (sparse: the slots' load under the MMA)
+        valid = _valid(a, t, SPARSE, NUM_STAGES)  # (sparse: the slots from shared memory, under the MMA)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         m_own, l_own = _softmax(a, t, s, valid, m_own, l_own, WG, SPLIT)
         if t > 0:
@@ -393,7 +393,7 @@ if HAS_WS:
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
         NUM_STAGES: gl.constexpr,  # tiles in the ring
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms
-        SPARSE: gl.constexpr = 0,  # attend to the slots in tok_ptr (rows by cp.async), not the pages
+        SPARSE: gl.constexpr = False,  # attend to the slots in tok_ptr (rows by cp.async), not the pages
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
         b = gl.program_id(0)
@@ -549,8 +549,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate",
-        SPARSE=sparse,
+        PAGE=page_size, DIRECT=direct, NUM_STAGES=stages, SPLIT=precision == "accurate", SPARSE=sparse,
         ROWS_LAG=rows_lag, num_warps=4,
         maxnreg=MAXNREG,
     )

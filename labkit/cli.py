@@ -5,7 +5,7 @@
     labkit run --dry-run                 # check and print the parameters, run nothing
     labkit profiles                      # the profiles and what they set
     labkit bench --grid gpu              # the benchmark (python -m labkit.bench)
-    labkit targets data/reference/h200/20261206-023000-run16/16b/bench   # one bench run against the targets
+    labkit targets data/reference/h200/20261206-044000-run17/17c/bench   # one bench run against the targets
 
 A bad parameter ends with one line naming it and what is allowed (exit code 2), before any work;
 a failed notebook (exit 1) or Ctrl-C (exit 130) ends with one line naming the kept run folder.

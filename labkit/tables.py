@@ -66,6 +66,11 @@ def step_table(df: pd.DataFrame, rest_ms: float | None = None) -> pd.DataFrame:
 SHAPE_KEYS = ["shape", "heads", "batch", "ctx", "topk", "kv_layout"]
 
 
+def _fastest(d: pd.DataFrame, value: str) -> pd.Series:
+    """The record of ``d`` with the lowest ``value`` (by position: concatenated records repeat labels)."""
+    return d.iloc[int(d[value].to_numpy().argmin())]
+
+
 def against_flashinfer(records: pd.DataFrame, value: str = "graph_us") -> pd.DataFrame:
     """Per benchmark shape (``SHAPE_KEYS``, FlashInfer's own row by heads, batch, context and top-k):
     FlashInfer's BF16-pool kernel, and the fastest of our ``fp8_native`` kernels per precision with its
@@ -85,7 +90,7 @@ def against_flashinfer(records: pd.DataFrame, value: str = "graph_us") -> pd.Dat
             p = d[d.precision == prec]
             if p.empty:
                 continue
-            best = p.iloc[int(p[value].to_numpy().argmin())]  # by position: concatenated records repeat labels
+            best = _fastest(p, value)
             row.update({prec: float(best[value]), f"{prec}_impl": best.impl, f"{prec}_rel_err": float(best.rel_err),
                         f"fi/{prec}": ref / float(best[value])})
         rows.append(row)
@@ -144,7 +149,7 @@ def layout_gap(records: pd.DataFrame, value: str = "graph_us", within: float | N
         pt, ds = d[d.kv_layout == "fp8_per_tensor"], d[d.kv_layout == "fp8_ds_mla"]
         if pt.empty or ds.empty:
             continue
-        pt, ds = (x.iloc[int(x[value].to_numpy().argmin())] for x in (pt, ds))
+        pt, ds = _fastest(pt, value), _fastest(ds, value)
         ratio = float(ds[value]) / float(pt[value])
         rows.append(dict(heads=heads, batch=batch, ctx=ctx, topk=topk, precision=prec, per_tensor=float(pt[value]),
                          per_tensor_impl=pt.impl, ds_mla=float(ds[value]), ds_mla_impl=ds.impl,

@@ -260,16 +260,21 @@ def test_pipeline_and_block_rules():
             G.block_config(32, **kw)
 
 
-@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
-def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
+def _sass_sm90(tmp_path, *args) -> tuple[dict, str]:
+    """``scripts/sass_sm90.py ARGS`` in a separate process (a real compile and the CPU interpreter do not
+    share one process): its statistics and the SASS; skipped where the Triton wheel carries no ptxas."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton wheel carries no ptxas")
-    # a separate process: a real compile and the CPU interpreter do not share one process
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--sass", str(tmp_path / "k.sass")],
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), *args, "--sass", str(tmp_path / "k.sass")],
                          capture_output=True, text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
-    st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+    return json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+
+
+@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
+def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
+    st, sass = _sass_sm90(tmp_path)
     # two tile bodies (the loop and the masked last tile), each: 16 x LDS.128 = the 256 B of V a thread
     # holds, 18 score MMAs (512 + 64 columns, k = 32) and 16 p @ V MMAs (8 row blocks x 2 k steps)
     assert st["ops"].get("LDS.128", 0) >= 32 and st["stack"] == 0  # (+ the output's layout change)
@@ -283,14 +288,7 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
 def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
     """64 heads a CTA: the score MMAs split the heads (N = 32 per warpgroup), p @ V splits the 512
     rows (N = 64), V comes in 8-byte loads, and nothing spills (the accumulator is 128 registers)."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton wheel carries no ptxas")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "64", "--stages",
-                          str(G.GPU_CONFIG_WIDE["num_stages"]), "--sass", str(tmp_path / "k.sass")],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+    st, sass = _sass_sm90(tmp_path, "--block-h", "64", "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
     assert st["stack"] == 0 and st["ops"].get("LDS.64", 0) >= 2 * 16
     assert len(re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", sass)) == 2 * 18
     assert len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass)) == 2 * 8  # 4 row blocks x 2 k steps
@@ -301,13 +299,7 @@ def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
 def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
     """The pipelined loop (32 heads) compiled for sm_90: its wgmmas stay asynchronous. Had a wait
     read an in-flight accumulator, ptxas would fence every one (C7514: one WARPGROUP.DEPBAR per MMA)."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton wheel carries no ptxas")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "32",
-                          "--stages", "2", "--pipe"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    st = json.loads(res.stdout)
+    st, _ = _sass_sm90(tmp_path, "--block-h", "32", "--stages", "2", "--pipe")
     mmas = sum(v for k, v in st["ops"].items() if k.startswith("QGMMA"))
     waits = st["ops"].get("WARPGROUP.DEPBAR.LE", 0)
     assert mmas >= 2 * (18 + 8) and waits <= 12, (mmas, waits)  # two or three tile bodies; a few waits each
@@ -319,15 +311,8 @@ def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_
     global loads left are the query's (16-bit), and nothing spills; at 16 heads (slots by global loads)
     the fp8_ds_mla rows' group rescale in shared memory leaves no spill either (it held the whole tile
     in fp16 registers before, 24 bytes of stack there and 56 at 64 heads)."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton wheel carries no ptxas")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-
     def stats(*args):
-        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--sparse", *args],
-                             capture_output=True, text=True, env=env, cwd=ROOT)
-        assert res.returncode == 0, res.stderr[-2000:]
-        return json.loads(res.stdout)
+        return _sass_sm90(tmp_path, "--sparse", *args)[0]
 
     wide = stats("--block-h", "64", "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
     loads = {k: v for k, v in wide["ops"].items() if k.startswith("LDG.")}
@@ -343,15 +328,9 @@ def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_
 def test_two_warpgroups_at_32_heads_compile_without_spills(tmp_path):
     """num_warps=8 at 32 heads: half the accumulator and V a thread, so neither precision spills (one
     warpgroup: 256 bytes of stack sparse, 464 accurate dense), and the MMAs split as at 64 heads."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton wheel carries no ptxas")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     for extra in ((), ("--accurate", ), ("--sparse", )):
-        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_sm90.py"), "--block-h", "32", "--warps", "8",
-                              "--stages", str(G.GPU_CONFIG_TWO_WG["num_stages"]), *extra, "--sass", str(tmp_path / "k.sass")],
-                             capture_output=True, text=True, env=env, cwd=ROOT)
-        assert res.returncode == 0, res.stderr[-2000:]
-        st, sass = json.loads(res.stdout), (tmp_path / "k.sass").read_text()
+        st, sass = _sass_sm90(tmp_path, "--block-h", "32", "--warps", "8", "--stages",
+                              str(G.GPU_CONFIG_TWO_WG["num_stages"]), *extra)
         assert st["stack"] == 0 and st["regs"] <= 232, (extra, st["regs"], st["stack"])
         assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) > 0  # scores: 16 heads a warpgroup
 
