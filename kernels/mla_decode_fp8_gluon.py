@@ -773,16 +773,29 @@ BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two w
 # thread holds half the accumulator and half of V. sm_90 SASS (Triton 3.7.1 here): 32 heads fast 170
 # registers and no stack against 255 and 256 bytes (sparse) / 168 (the pipelined dense loop) on one
 # warpgroup; accurate 208 and none against 464; fp8_ds_mla rows 196 and none against 256; 16 heads
-# accurate 167 and none against 112. One CTA an SM (so three stages). Not yet measured on a GPU:
-# ``scripts/gpu_gluon.py --heads 16 32 --variants default w8`` (and ``--accurate``, ``--sparse``),
-# ``pytest -m gpu tests/test_gluon.py``.
+# accurate 167 and none against 112. One CTA an SM (so three stages).
 GPU_CONFIG_TWO_WG = dict(GPU_CONFIG_WIDE)
+# Two warpgroups are the default at 16-32 heads but for dense accurate 16-head blocks (run 18a, H100,
+# gpu_gluon.py, CUDA-graph us, 4 -> 8 warps): fast 32 heads 64 x 8K 139.3 -> 119.0; 16 heads 128 x 8K
+# 246.1 -> 212.5, 32 x 32K 239.4 -> 215.2, 64 x 8K 115.1 -> 113.5, one request 10.6 -> 10.7; sparse
+# top-2048 of 32K, 64 requests: 16 heads 46.7 -> 40.4, 32 heads 74.8 -> 45.7; accurate 32 heads 64 x 8K
+# 257.1 -> 167.6, 16 heads sparse 63.0 -> 52.7; but accurate dense 16 heads 131.6 -> 140.3 (64 x 8K)
+# and 247.3 -> 272.9 (32 x 32K): one warpgroup there (two CTAs an SM hide its spills).
 
 
-def block_config(H: int, block_h: int | None = None, num_warps: int | None = None) -> tuple[int, int, dict]:
-    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: one warpgroup up to 32 heads, else 64 heads on
+def default_warps(block_h: int, precision: str = "fast", sparse: bool = False) -> int:
+    """Warps a CTA for a ``block_h`` head block when the caller names none (see above)."""
+    if block_h == WIDE_HEADS:
+        return 8
+    return 4 if block_h == 16 and precision == "accurate" and not sparse else 8
+
+
+def block_config(H: int, block_h: int | None = None, num_warps: int | None = None, precision: str = "fast",
+                 sparse: bool = False) -> tuple[int, int, dict]:
+    """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: a block of 16 or 32 heads up to 32, else 64 heads on
     two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages). ``block_h``
-    forces one (16 or 32: one warpgroup; 64: two); ``num_warps=8`` puts 16 or 32 on two warpgroups."""
+    forces one (16, 32 or 64); ``num_warps`` 4 or 8 puts a 16- or 32-head block on one or two
+    warpgroups (None: ``default_warps`` for ``precision`` and ``sparse``)."""
     if block_h is None:
         block_h = 16 if H <= 16 else 32 if H <= 32 else WIDE_HEADS
     if block_h not in BLOCK_HS:
@@ -790,6 +803,8 @@ def block_config(H: int, block_h: int | None = None, num_warps: int | None = Non
     if num_warps not in (None, 4, 8) or (block_h == WIDE_HEADS and num_warps == 4):
         raise ValueError(f"mla_decode_fp8_gluon: num_warps={num_warps!r}; allowed 4 or 8 at block_h 16-32, "
                          f"8 at {WIDE_HEADS} (block_h={block_h})")
+    if num_warps is None:
+        num_warps = default_warps(block_h, precision, sparse)
     if block_h == WIDE_HEADS:
         return WIDE_HEADS, 8, GPU_CONFIG_WIDE
     if num_warps == 8:
@@ -929,9 +944,9 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     pipeline : the pipelined tile loop: a tile's score MMA and the previous tile's p @ V issued before
         its softmax, so that they run under it (two p buffers; num_stages >= 2); None: the config's
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
-    block_h : heads a CTA (16 or 32 on one warpgroup, 64 on two); None: ``block_config``.
-    num_warps : 8 puts a 16- or 32-head block on two warpgroups (``GPU_CONFIG_TWO_WG``, not yet
-        measured on a GPU); None: 4 there, 8 at 64.
+    block_h : heads a CTA (16 or 32; 64 on two warpgroups); None: ``block_config``.
+    num_warps : 4 or 8 puts a 16- or 32-head block on one or two warpgroups (``GPU_CONFIG_TWO_WG``);
+        None: ``default_warps`` (8, but 4 for dense accurate 16-head blocks); 8 at 64.
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
@@ -959,7 +974,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h, num_warps, cfg = block_config(H, block_h, num_warps)
+    block_h, num_warps, cfg = block_config(H, block_h, num_warps, precision, sparse)
     cfg = split_rule(cfg, precision) if part_dtype is None else dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):

@@ -190,7 +190,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     G.check_gluon_args(num_heads, pool.page_size, pool.device, sparse)
     views = [R.rows_views(pool.layer(i), pool.kv_layout) for i in range(pool.num_layers)]  # e4m3, fp32, bf16
     scales = [1.0] * pool.num_layers if ds else _layers(pool)[1]
-    block_h, num_warps, cfg = G.block_config(num_heads)
+    block_h, num_warps, cfg = G.block_config(num_heads, precision=precision, sparse=sparse)
     cfg = G.split_rule(cfg, precision)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,

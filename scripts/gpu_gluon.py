@@ -39,7 +39,8 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             # in flight beyond the one it waits for
             "ws_lag2": dict(kernel="ws", rows_lag=2),
             # 16-32 heads on two warpgroups (no spills: GPU_CONFIG_TWO_WG)
-            "w8": dict(num_warps=8),
+            "w8": dict(num_warps=8), "w4": dict(num_warps=4),
+            "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2),
 }
 SPARSE_SHAPES = [(16, 64, 32768, 2048), (32, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
                  (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)
@@ -58,7 +59,9 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "fast_n32": dict(precision="fast", num_splits=32), "fast_n64": dict(precision="fast", num_splits=64),
                 "ws": dict(kernel="ws"), "fast_ws": dict(kernel="ws", precision="fast"),
                 "p16": dict(part_dtype=torch.bfloat16), "p32": dict(part_dtype=torch.float32),
-                "w8": dict(num_warps=8), "fast_w8": dict(precision="fast", num_warps=8)}
+                "w8": dict(num_warps=8), "fast_w8": dict(precision="fast", num_warps=8),
+                "w4": dict(num_warps=4), "fast_w4": dict(precision="fast", num_warps=4),
+                "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
 ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128", "n64_p16", "n128_p16")
@@ -77,19 +80,24 @@ def main():
     ap.add_argument("--accurate", action="store_true", help="the precision='accurate' sweep (ACC_VARIANTS)")
     ap.add_argument("--sparse", action="store_true", help="the fast sweep on sparse shapes (SPARSE_SHAPES, page 1)")
     ap.add_argument("--variants", nargs="*", help="only these variants (names of VARIANTS or ACC_VARIANTS)")
+    ap.add_argument("--kv-layout", default="fp8_per_tensor", choices=("fp8_per_tensor", "fp8_ds_mla"),
+                    help="the rows' layout (fp8_ds_mla: sparse shapes only)")
     ap.add_argument("--hot", type=int, default=0, metavar="N",
                     help="dense: every request reads pages 0..N-1 only (page id mod N), so that the tiles come "
                          "from L2 and the timing is the kernel's own chain, not DRAM's")
     a = ap.parse_args()
+    ds = a.kv_layout == "fp8_ds_mla"
+    if ds and not (a.sparse or a.accurate):
+        ap.error("--kv-layout fp8_ds_mla: the 656-byte rows are read for sparse batches only (--sparse or --accurate)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ceil = roofline.measure_ceilings("cuda", cache_dir=out)
     res = dict(env=gk.env_info(), command=" ".join(sys.argv), copy_gbps=ceil.copy_gbps, rows=[])
     shapes = ACC_SHAPES if a.accurate else SPARSE_SHAPES if a.sparse else [(H, B, L, 0) for H, B, L in SHAPES]
-    for H, B, L, topk in [s for s in shapes if not a.heads or s[0] in a.heads]:
+    for H, B, L, topk in [s for s in shapes if (not a.heads or s[0] in a.heads) and (s[3] or not ds)]:
         page = 1 if topk else 64
         rows = int(B * L * 1.05) // 64 * 64 + 64
-        pool = kvpool.random_pool(LAYERS, rows, page, device="cuda", seed=H + B)
+        pool = kvpool.random_pool(LAYERS, rows, page, device="cuda", seed=H + B, kv_layout=a.kv_layout)
         if topk:
             batch = kvpool.sparse_batch_for_pool(pool, [L] * B, topk, seed=B)
         else:
@@ -99,7 +107,7 @@ def main():
         qn, qp = kvpool.make_queries(B, H, device="cuda", seed=H)
         ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, gk.SM_SCALE)
         idx = (batch.kv_indptr, batch.kv_indices, batch.kv_lens, gk.SM_SCALE)
-        base = dict(token_indices=batch.slots(0)) if topk else {}
+        base = dict(token_indices=batch.slots(0), kv_layout=a.kv_layout) if topk else {}
         if a.accurate:
             base["precision"] = "accurate"
         for name, kw in (ACC_VARIANTS if a.accurate else VARIANTS).items():
@@ -107,23 +115,24 @@ def main():
                 continue
             kw = {**base, **kw}
             fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
-            call = lambda layer, kw=kw, fn=fn: fn(qn, qp, pool.layer(layer), *idx, k_scale=pool.scale(layer),  # noqa: E731
+            call = lambda layer, kw=kw, fn=fn: fn(qn, qp, pool.layer(layer), *idx, k_scale=1.0 if ds else pool.scale(layer),  # noqa: E731
                                                   max_len=L if not topk else None, **kw)
-            row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"), hot=a.hot)
+            row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"), hot=a.hot,
+                       kv_layout=a.kv_layout)
             try:
                 row["rel_err"] = reference.rel_err(call(0), ref)
                 row["us"] = timing.bench(lambda: call(0)).us
                 row["graph_us"] = timing.graph_times(call, range(LAYERS)).us
                 row["pct_copy_graph"] = roofline.achieved("fp8_native", row["graph_us"] / 1e3, ceil, pool_tokens=0,
                                                           tokens_read=B * (topk or L), heads=H,
-                                                          batch=B)["pct_bandwidth"]
+                                                          batch=B, kv_layout=a.kv_layout)["pct_bandwidth"]
                 row["ok"] = row["rel_err"] < (ACC_TOL if row["precision"] == "accurate" else TOL)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             res["rows"].append(row)
             gk.log(json.dumps(row))
-        (out / ("gpu_gluon_accurate.json" if a.accurate else "gpu_gluon_sparse.json" if a.sparse
-                else "gpu_gluon.json")).write_text(
+        fname = "gpu_gluon_accurate" if a.accurate else "gpu_gluon_sparse" if a.sparse else "gpu_gluon"
+        (out / (fname + ("_ds" if ds else "") + ".json")).write_text(
             json.dumps(res, indent=1, default=str))
 
 

@@ -149,14 +149,16 @@ def test_v_layout_is_the_wgmma_fragment_relabelled():
 
 
 def test_one_request_splits_fill_one_wave(monkeypatch):
-    """On a 132-SM GPU the 64-head config (one CTA an SM) fills the wave with one-tile splits, never
-    more CTAs than SMs; up to 32 heads splits keep 4 tiles (run 11a: 64 heads 1 x 8K, 128 one-tile
-    splits beat 32 four-tile ones; 128 splits at 128 heads, two waves, doubled the time)."""
+    """On a 132-SM GPU the two-warpgroup configs (one CTA an SM: 64 heads, and 16-32 by default) fill
+    the wave with one-tile splits, never more CTAs than SMs; one warpgroup of 16-32 heads keeps 4 tiles
+    a split (run 11a: 64 heads 1 x 8K, 128 one-tile splits beat 32 four-tile ones; 128 splits at 128
+    heads, two waves, doubled the time)."""
     from labkit.kernels import mla_decode as M
     monkeypatch.setattr(M, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    for heads, want in [(64, 128), (128, 66), (16, 32), (32, 32)]:
-        block_h, _, cfg = G.block_config(heads)
+    for heads, kw, want in [(64, {}, 128), (128, {}, 66), (16, {}, 128), (32, {}, 128),
+                            (16, dict(precision="accurate"), 32), (32, dict(num_warps=4), 32)]:
+        block_h, _, cfg = G.block_config(heads, **kw)
         hb = -(-heads // block_h)
         got = M.resolve_splits("t", None, 1, hb, None, 8192, G.BLOCK_N, cuda, cfg["ctas_per_sm"], cfg["min_tiles"],
                                cfg["max_splits"])
@@ -231,8 +233,8 @@ def test_pipeline_and_block_rules():
     """The pipelined tile loop: on by default at 17-32 heads, dense, fast only; asked for where it is
     not built (fp8_ds_mla, sparse at <= 32 heads, a one-tile ring), refused by name. A forced
     block_h is checked."""
-    def pipe(H, sparse=False, ds=False, precision="fast", pipeline=None, **kw):
-        block_h, _, cfg = G.block_config(H)
+    def pipe(H, sparse=False, ds=False, precision="fast", pipeline=None, warps=4, **kw):
+        block_h, _, cfg = G.block_config(H, num_warps=warps if H <= 32 else None)  # the loop: one warpgroup
         return G.use_pipeline({**cfg, **kw}, block_h, sparse, ds, precision, pipeline)
     assert [pipe(h) for h in (1, 16, 17, 32, 33, 64, 128)] == [False, False, True, True, False, False, False]
     assert not pipe(32, precision="accurate") and pipe(32, precision="accurate", pipeline=True)
@@ -246,9 +248,14 @@ def test_pipeline_and_block_rules():
     assert not pipe(32, num_stages=1)
     with pytest.raises(ValueError, match="needs num_stages >= 2, got 1"):
         pipe(32, num_stages=1, pipeline=True)
-    assert [G.block_config(h)[:2] for h in (1, 16, 17, 32, 33, 128)] == [(16, 4), (16, 4), (32, 4), (32, 4), (64, 8),
+    # two warpgroups by default (run 18a), but one for dense accurate 16-head blocks
+    assert [G.block_config(h)[:2] for h in (1, 16, 17, 32, 33, 128)] == [(16, 8), (16, 8), (32, 8), (32, 8), (64, 8),
                                                                          (64, 8)]
-    assert G.block_config(8, block_h=64)[:2] == (64, 8) and G.block_config(64, block_h=32)[:2] == (32, 4)
+    acc = [G.block_config(h, precision="accurate", sparse=sp)[:2] for h, sp in ((8, False), (16, True), (32, False))]
+    assert acc == [(16, 4), (16, 8), (32, 8)] and G.default_warps(64, "accurate") == 8
+    assert not pipe(32, warps=None) and not pipe(17, warps=None)  # the default (two warpgroups) has no pipelined loop
+    assert G.block_config(8, block_h=64)[:2] == (64, 8) and G.block_config(64, block_h=32)[:2] == (32, 8)
+    assert G.block_config(64, block_h=32, num_warps=4)[:2] == (32, 4)
     with pytest.raises(ValueError, match=r"block_h=48; allowed \[16, 32, 64\]"):
         G.block_config(32, block_h=48)
     # two warpgroups on a 16- or 32-head block: its own config (one CTA an SM), the plain loop
@@ -274,7 +281,7 @@ def _sass_sm90(tmp_path, *args) -> tuple[dict, str]:
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
-    st, sass = _sass_sm90(tmp_path)
+    st, sass = _sass_sm90(tmp_path, "--warps", "4")  # one warpgroup (the dense accurate 16-head default)
     # two tile bodies (the loop and the masked last tile), each: 16 x LDS.128 = the 256 B of V a thread
     # holds, 18 score MMAs (512 + 64 columns, k = 32) and 16 p @ V MMAs (8 row blocks x 2 k steps)
     assert st["ops"].get("LDS.128", 0) >= 32 and st["stack"] == 0  # (+ the output's layout change)
@@ -299,7 +306,7 @@ def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
 def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
     """The pipelined loop (32 heads) compiled for sm_90: its wgmmas stay asynchronous. Had a wait
     read an in-flight accumulator, ptxas would fence every one (C7514: one WARPGROUP.DEPBAR per MMA)."""
-    st, _ = _sass_sm90(tmp_path, "--block-h", "32", "--stages", "2", "--pipe")
+    st, _ = _sass_sm90(tmp_path, "--block-h", "32", "--stages", "2", "--pipe", "--warps", "4")
     mmas = sum(v for k, v in st["ops"].items() if k.startswith("QGMMA"))
     waits = st["ops"].get("WARPGROUP.DEPBAR.LE", 0)
     assert mmas >= 2 * (18 + 8) and waits <= 12, (mmas, waits)  # two or three tile bodies; a few waits each
@@ -307,21 +314,24 @@ def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_path):
-    """Sparse at 64 heads a CTA: the slots come through the shared-memory ring (cp.async), so the only
-    global loads left are the query's (16-bit), and nothing spills; at 16 heads (slots by global loads)
-    the fp8_ds_mla rows' group rescale in shared memory leaves no spill either (it held the whole tile
-    in fp16 registers before, 24 bytes of stack there and 56 at 64 heads)."""
+    """Sparse on two warpgroups (64 heads a CTA, and 16 by default): the slots come through the
+    shared-memory ring (cp.async), so the only global loads left are the query's (16-bit), and nothing
+    spills; on one warpgroup the slots come by global loads; the fp8_ds_mla rows' group rescale in shared
+    memory leaves no spill either (it held the whole tile in fp16 registers before, 24 bytes of stack at
+    16 heads and 56 at 64)."""
     def stats(*args):
         return _sass_sm90(tmp_path, "--sparse", *args)[0]
 
-    wide = stats("--block-h", "64", "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
-    loads = {k: v for k, v in wide["ops"].items() if k.startswith("LDG.")}
-    assert set(loads) == {"LDG.E.U16"} and wide["stack"] == 0, (loads, wide["stack"])
-    assert wide["ops"].get("LDGSTS.E", 0) > 0  # the slots' copies (4 bytes here: topk's alignment unknown)
-    narrow = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]))
-    assert narrow["ops"].get("LDG.E", 0) > 0  # 16 heads: the slots by global loads (the ring lost there)
-    ds = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--ds")
-    assert ds["stack"] == 0 and any(k.startswith("HMUL2") for k in ds["ops"]), (ds["stack"], ds["ops"])
+    for block_h in (64, 16):
+        wide = stats("--block-h", str(block_h), "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
+        loads = {k: v for k, v in wide["ops"].items() if k.startswith("LDG.")}
+        assert set(loads) == {"LDG.E.U16"} and wide["stack"] == 0, (block_h, loads, wide["stack"])
+        assert wide["ops"].get("LDGSTS.E", 0) > 0  # the slots' copies (4 bytes here: topk's alignment unknown)
+    narrow = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--warps", "4")
+    assert narrow["ops"].get("LDG.E", 0) > 0  # one warpgroup: the slots by global loads (the ring lost there)
+    for warps in ("4", "8"):
+        ds = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--ds", "--warps", warps)
+        assert ds["stack"] == 0 and any(k.startswith("HMUL2") for k in ds["ops"]), (warps, ds["stack"], ds["ops"])
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
@@ -346,7 +356,8 @@ TOL_GPU_P8 = 5e-2  # FP8 query and FP8 probabilities: ~1e-2 seen on the H200
 @pytest.mark.parametrize("page_size,heads", [(64, 16), (128, 8), (64, 32), (64, 1), (64, 64), (128, 48), (64, 128)])
 @pytest.mark.parametrize("config", [dict(), dict(num_stages=2, ctas_per_sm=2), dict(num_stages=5),
                                     dict(pipeline=True), dict(pipeline=True, num_stages=2), dict(pipeline=False),
-                                    dict(part_dtype=torch.bfloat16), dict(num_warps=8)])
+                                    dict(part_dtype=torch.bfloat16), dict(num_warps=4),
+                                    dict(num_warps=4, pipeline=True)])
 def test_gpu_mla_decode_fp8_gluon(page_size, heads, config):
     """The oracle, with e4m3 NaN bytes (0x7F) past each request's end in its last page."""
     lens = [1, page_size - 1, page_size, page_size + 1, 4097, 1000]
@@ -394,7 +405,7 @@ def test_gpu_gluon_sparse(page_size, heads):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     pipes = (False, True) if heads > 32 else (False, )  # pipeline=True is refused on sparse slots <= 32 heads
-    for splits, pipeline, warps in [(None, None, None), (None, None, 8), (5, None, 8)] + [
+    for splits, pipeline, warps in [(None, None, None), (None, None, 4), (5, None, 4)] + [
             (n, p, None) for n in (1, 5) for p in pipes]:
         out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                           SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
@@ -424,7 +435,7 @@ def test_gpu_gluon_accurate(heads, sparse):
     ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM)
     errs = {}
     pipes = (False, True) if heads > 32 or not sparse else (False, )
-    loops = [(p, None) for p in pipes] + [(False, 8)]  # (pipeline, num_warps): 8 puts <= 32 heads on two warpgroups
+    loops = [(p, None) for p in pipes] + [(False, 4)]  # (pipeline, num_warps): 4 puts <= 32 heads on one warpgroup
     for precision, (pipeline, warps) in [(pr, lw) for lw in loops for pr in ("accurate", "fast")]:
         out = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
                                      pool.scale(0), token_indices=one.token_indices, precision=precision,
@@ -469,7 +480,7 @@ def test_gpu_gluon_sparse_ds_mla(page_size, heads):
     qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     for precision, tol in (("fast", TOL_GPU_P8), ("accurate", TOL_ACCURATE)):
-        for splits, warps in ((None, None), (1, None), (5, None), (None, 8), (5, 8)):  # 8: two warpgroups
+        for splits, warps in ((None, None), (1, None), (5, None), (None, 4), (5, 4)):  # 4: one warpgroup
             out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                               SM, num_splits=splits, return_lse=True, token_indices=slots,
                                               precision=precision, kv_layout="fp8_ds_mla", num_warps=warps)
