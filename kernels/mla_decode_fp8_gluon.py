@@ -577,8 +577,8 @@ if HAS_GLUON:
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
         PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
     ):
-        b = gl.program_id(0)
-        hblk = gl.program_id(1)
+        hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
+        b = gl.program_id(1)
         split = gl.program_id(2)
         s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
         acc_layout: gl.constexpr = _acc_layout(NUM_WARPS, BLOCK_H)
@@ -780,22 +780,24 @@ GPU_CONFIG_TWO_WG = dict(GPU_CONFIG_WIDE)
 # 246.1 -> 212.5, 32 x 32K 239.4 -> 215.2, 64 x 8K 115.1 -> 113.5, one request 10.6 -> 10.7; sparse
 # top-2048 of 32K, 64 requests: 16 heads 46.7 -> 40.4, 32 heads 74.8 -> 45.7; accurate 32 heads 64 x 8K
 # 257.1 -> 167.6, 16 heads sparse 63.0 -> 52.7; but accurate dense 16 heads 131.6 -> 140.3 (64 x 8K)
-# and 247.3 -> 272.9 (32 x 32K): one warpgroup there (two CTAs an SM hide its spills).
+# and 247.3 -> 272.9 (32 x 32K): one warpgroup there (two CTAs an SM hide its spills). fp8_ds_mla rows
+# (run 18b probe, 64 x top-2048 of 32K, 8 -> 4 warps): 16 heads fast 66.3 -> 53.4, accurate 79.8 ->
+# 71.9, but 32 heads fast 73.3 -> 90.4: one warpgroup for 16-head blocks of them.
 
 
-def default_warps(block_h: int, precision: str = "fast", sparse: bool = False) -> int:
+def default_warps(block_h: int, precision: str = "fast", sparse: bool = False, ds: bool = False) -> int:
     """Warps a CTA for a ``block_h`` head block when the caller names none (see above)."""
     if block_h == WIDE_HEADS:
         return 8
-    return 4 if block_h == 16 and precision == "accurate" and not sparse else 8
+    return 4 if block_h == 16 and (ds or (precision == "accurate" and not sparse)) else 8
 
 
 def block_config(H: int, block_h: int | None = None, num_warps: int | None = None, precision: str = "fast",
-                 sparse: bool = False) -> tuple[int, int, dict]:
+                 sparse: bool = False, ds: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_H, num_warps, GPU_CONFIG) for H heads: a block of 16 or 32 heads up to 32, else 64 heads on
     two warpgroups (128 heads: two head blocks of 64, each CTA reading the same pages). ``block_h``
     forces one (16, 32 or 64); ``num_warps`` 4 or 8 puts a 16- or 32-head block on one or two
-    warpgroups (None: ``default_warps`` for ``precision`` and ``sparse``)."""
+    warpgroups (None: ``default_warps`` for ``precision``, ``sparse`` and fp8_ds_mla rows ``ds``)."""
     if block_h is None:
         block_h = 16 if H <= 16 else 32 if H <= 32 else WIDE_HEADS
     if block_h not in BLOCK_HS:
@@ -804,7 +806,7 @@ def block_config(H: int, block_h: int | None = None, num_warps: int | None = Non
         raise ValueError(f"mla_decode_fp8_gluon: num_warps={num_warps!r}; allowed 4 or 8 at block_h 16-32, "
                          f"8 at {WIDE_HEADS} (block_h={block_h})")
     if num_warps is None:
-        num_warps = default_warps(block_h, precision, sparse)
+        num_warps = default_warps(block_h, precision, sparse, ds)
     if block_h == WIDE_HEADS:
         return WIDE_HEADS, 8, GPU_CONFIG_WIDE
     if num_warps == 8:
@@ -946,7 +948,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32; 64 on two warpgroups); None: ``block_config``.
     num_warps : 4 or 8 puts a 16- or 32-head block on one or two warpgroups (``GPU_CONFIG_TWO_WG``);
-        None: ``default_warps`` (8, but 4 for dense accurate 16-head blocks); 8 at 64.
+        None: ``default_warps`` (8, but 4 for 16-head blocks dense accurate or on fp8_ds_mla rows); 8 at 64.
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
@@ -974,7 +976,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if kv_buffer.stride(0) != page_size * row:
         raise ValueError(f"mla_decode_fp8_gluon: kv_buffer pages must be dense (stride(0) = page_size * {row}), "
                          f"got strides {tuple(kv_buffer.stride())}")
-    block_h, num_warps, cfg = block_config(H, block_h, num_warps, precision, sparse)
+    block_h, num_warps, cfg = block_config(H, block_h, num_warps, precision, sparse, ds)
     cfg = split_rule(cfg, precision) if part_dtype is None else dict(cfg)
     cfg.update({k: v for k, v in dict(num_stages=num_stages, ctas_per_sm=ctas_per_sm).items() if v is not None})
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
@@ -994,7 +996,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
-    _mla_decode_fp8_gluon_kernel[(B, head_blocks, num_splits)](
+    _mla_decode_fp8_gluon_kernel[(head_blocks, B, num_splits)](
         q_nope, q_pe, kv, kv16, kv32, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,

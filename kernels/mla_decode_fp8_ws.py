@@ -396,8 +396,8 @@ if HAS_WS:
         SPARSE: gl.constexpr = False,  # attend to the slots in tok_ptr (rows by cp.async), not the pages
         ROWS_LAG: gl.constexpr = 1,  # SPARSE: tiles issued past the one the producer waits for
     ):
-        b = gl.program_id(0)
-        hblk = gl.program_id(1)
+        hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
+        b = gl.program_id(1)
         split = gl.program_id(2)
         ckv_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -544,7 +544,7 @@ def mla_decode_fp8_ws(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
     triton.set_allocator(G._scratch)
-    _mla_decode_fp8_ws_kernel[(B, head_blocks, num_splits)](
+    _mla_decode_fp8_ws_kernel[(head_blocks, B, num_splits)](
         q_nope, q_pe, kv_buffer, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,

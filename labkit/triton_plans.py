@@ -190,7 +190,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     G.check_gluon_args(num_heads, pool.page_size, pool.device, sparse)
     views = [R.rows_views(pool.layer(i), pool.kv_layout) for i in range(pool.num_layers)]  # e4m3, fp32, bf16
     scales = [1.0] * pool.num_layers if ds else _layers(pool)[1]
-    block_h, num_warps, cfg = G.block_config(num_heads, precision=precision, sparse=sparse)
+    block_h, num_warps, cfg = G.block_config(num_heads, precision=precision, sparse=sparse, ds=ds)
     cfg = G.split_rule(cfg, precision)
     head_blocks = -(-num_heads // block_h)
     s = resolve_splits("mla_decode_fp8_gluon", None, batch.batch_size, head_blocks, batch.kv_lens,
@@ -203,7 +203,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     if W.preferred(num_heads, pool.kv_layout, sparse, precision,
                    W.split_len(batch.batch_size, num_heads, batch.topk if sparse else batch.max_len, pool.device)):
         return _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks)
-    kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
+    kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (head_blocks, b.batch_size, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
                       PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
@@ -226,7 +226,7 @@ def _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks):
     """``mla_decode_fp8_ws`` (fast, 65-128 heads, ``W.preferred``) planned: as ``_gluon``, its own kernel."""
     kvs, scales = _layers(pool)
     s, num_rows, sparse = split.num_splits, pool.num_pages * pool.page_size, bool(b.topk)
-    kernel = Launcher(W._mla_decode_fp8_ws_kernel, (b.batch_size, head_blocks, s), PAGE=pool.page_size,
+    kernel = Launcher(W._mla_decode_fp8_ws_kernel, (head_blocks, b.batch_size, s), PAGE=pool.page_size,
                       DIRECT=split.direct, NUM_STAGES=W.GPU_CONFIG["num_stages"], SPLIT=False, SPARSE=sparse,
                       ROWS_LAG=W.ROWS_LAG, num_warps=4, maxnreg=W.MAXNREG)
 

@@ -34,7 +34,7 @@ PTRS = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", rope_ptr="*
 def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False, split: bool = False,
                  ds: bool = False, pipe: bool = False, ws: bool = False, warps: int | None = None):
     fn = W._mla_decode_fp8_ws_kernel if ws else G._mla_decode_fp8_gluon_kernel
-    num_warps = 4 if ws else G.block_config(block_h, block_h, warps, "accurate" if split else "fast", sparse)[1]
+    num_warps = 4 if ws else G.block_config(block_h, block_h, warps, "accurate" if split else "fast", sparse, ds)[1]
     consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
                   DS=int(ds), PIPE=int(pipe), ROWS_LAG=W.ROWS_LAG)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
