@@ -43,13 +43,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _ukey(ptr, mask):
-    """int32 keys of the float32 logits at ``ptr`` whose unsigned order (bit 31 highest) is the
-    float order; NaN and masked lanes read as -inf; -0.0 and +0.0 give the same key."""
-    x = tl.load(ptr, mask=mask, other=float("-inf"))
+def _key(x):
+    """int32 keys of float32 values whose unsigned order (bit 31 highest) is the float order; NaN
+    counts as -inf; -0.0 and +0.0 give the same key."""
     x = tl.where(x == x, x, float("-inf"))
     b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) | -2147483648)  # positive: flip the sign bit; negative: flip every bit
+
+
+@triton.jit
+def _ukey(ptr, mask):
+    """``_key`` of the float32 logits at ``ptr``; masked lanes read as -inf."""
+    return _key(tl.load(ptr, mask=mask, other=float("-inf")))
 
 
 @triton.jit
@@ -306,9 +311,20 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
     return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
 
 
+_ROW_STARTS: dict = {}  # (device, B, T) -> int32 [B + 1] = 0, T, 2T, ...: the candidates' "page table"
+
+
+def _row_starts(device, B: int, T: int) -> torch.Tensor:
+    """kv_indptr of B rows of T candidates (page size 1, kv_indices = their slots), made once and kept."""
+    t = _ROW_STARTS.get((device, B, T))
+    if t is None:
+        t = _ROW_STARTS[(device, B, T)] = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    return t
+
+
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
-               count: str | None = None) -> torch.Tensor:
+               count: str | None = None, sample: int = 0) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -324,6 +340,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         num_warps.
     count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``) or "atomic"
         (one atomic add a key into the part's counters); None: ``default_count``.
+    sample : 0, or a power of two 16..8192: first keep each request's candidates by a threshold
+        sampled from that many of its logits (``labkit.kernels.topk_prefilter``: one pass, exact),
+        then select among them, one program a request (``splits`` None or 1, ``count`` None or
+        "histogram"). A second launch and 8 * B * max_len bytes more scratch.
 
     Returns
     -------
@@ -348,6 +368,19 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     _pow2("cand_block", cand_block, 16)
     if digit_bits not in (2, 4, 8):
         raise ValueError(f"digit_bits={digit_bits!r}: must be 2, 4 or 8")
+    if sample:
+        if isinstance(sample, bool) or not isinstance(sample, int) or not 16 <= sample <= 8192 or sample & (sample - 1):
+            raise ValueError(f"sample={sample!r}: must be 0 or a power of two in 16..8192")
+        if splits not in (None, 1) or count not in (None, "histogram"):
+            raise ValueError(f"sample={sample} selects among the candidates in one program a request by histogram; "
+                             f"got splits={splits!r}, count={count!r} (allowed: None or 1, None or 'histogram')")
+        from .topk_prefilter import topk_prefilter
+
+        crow, cslot, cnt = topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, sample,
+                                          block=block, num_warps=num_warps)
+        return topk_select(crow, cnt, _row_starts(logits.device, B, T), cslot.view(-1), 1, topk, splits=1,
+                           block=block, cand_block=cand_block, digit_bits=digit_bits, num_warps=num_warps,
+                           count="histogram")
     if count is None:
         count = default_count(B)
     if count not in COUNTS:

@@ -13,8 +13,8 @@ A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every 
         [--tunings atomic atomic_w16]
     python3 scripts/gpu_topk.py --device cpu --small --out /tmp/topk   # tiny shapes, Triton's interpreter
 
---sweep also times top-k tunings (splits, warps, tiles, how the rounds count) at every shape, each
-checked first.
+--sweep also times top-k tunings (splits, warps, tiles, how the rounds count, a sampled prefilter) at
+every shape, each checked first, alone and after the logits.
 """
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "atomic": dict(count="atomic"), "atomic_w16": dict(count="atomic", num_warps=16),
     "atomic_db4": dict(count="atomic", digit_bits=4), "atomic_b16k": dict(count="atomic", block=16384),
     "atomic_s2": dict(count="atomic", splits=2),
+    # candidates by a sampled threshold first (labkit.kernels.topk_prefilter), then one program a request
+    "sample1k": dict(sample=1024), "sample2k": dict(sample=2048), "sample4k": dict(sample=4096),
+    "sample2k_w16": dict(sample=2048, num_warps=16), "sample2k_w4": dict(sample=2048, num_warps=4),
+    "sample2k_db4": dict(sample=2048, digit_bits=4), "sample2k_b2k": dict(sample=2048, block=2048),
 }
 
 
@@ -145,6 +149,7 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
         try:
             r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])
             r["triton_topk_us"] = graph_us(lambda i: case.triton_topk(L[i], **kw), a)
+            r["total_triton_us"] = graph_us(lambda i: case.triton_topk(case.index(i), **kw), a)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(r)

@@ -126,6 +126,54 @@ def test_candidates_past_one_tile(poisoned_ints):
     _assert_topk(slots, x, [n], indptr, indices, 4, topk)
 
 
+@pytest.mark.parametrize("sample,block", [(16, 64), (64, 128), (256, 1024)])
+def test_sampled_candidates_match_sorting(sample, block, poisoned_ints):
+    """The prefilter (a sampled threshold, then the radix select among the candidates) on every kind
+    of row: samples smaller than topk, about topk, and the whole row; tiles of the pass below and
+    above the row's length."""
+    T, topk, page_size = 700, 48, 16
+    lens = [700, 650, 49, 400, 300, 690, 500, 600]
+    x = _rows(T, torch.Generator().manual_seed(sample))
+    indptr, indices = _table(lens, page_size, seed=sample)
+    slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
+                        block=block, cand_block=64, sample=sample)
+    _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
+    short = [0, 1, 48, 49]
+    y = torch.randn(len(short), 60, generator=torch.Generator().manual_seed(1))
+    indptr, indices = _table(short, 1, seed=1)
+    slots = topk_select(y, torch.tensor(short, dtype=torch.int32), indptr, indices, 1, topk, block=16, sample=sample)
+    _assert_topk(slots, y, short, indptr, indices, 1, topk)
+
+
+def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
+    """On a row without structure the candidates are a superset of the top-k and far fewer than the
+    row; where the large logits sit only between the sampled positions the threshold comes out too
+    high, and the second pass keeps every position (the selection is still exact)."""
+    from labkit.kernels.topk_prefilter import topk_prefilter
+
+    n, topk, sample = 4096, 64, 256
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, n, generator=gen)
+    x[1] = torch.rand(n, generator=gen) * 0.5
+    x[1, ::16] = 1.0  # exactly the sampled positions (j * n // sample, stride 16): 256 keys above the rest
+    x[1, 1::16][:topk] = 0.75  # the top-k's remainder sits between them
+    lens, (indptr, indices) = torch.tensor([n, n], dtype=torch.int32), _table([n, n], 1)
+    topk2 = 300  # > 256 sampled ones: the sample's threshold (the prefix of 1.0) keeps too few
+    crow, cslot, count = topk_prefilter(x, lens, indptr, indices, 1, topk, sample)
+    c = int(count[0])
+    where = {int(t): p for p, t in enumerate(indices[:n])}
+    pos = torch.tensor([where[int(t)] for t in cslot[0, :c]])
+    left = torch.ones(n, dtype=torch.bool)
+    left[pos] = False
+    assert topk <= c < n // 8 and torch.equal(pos, pos.sort().values)  # distinct, in position order
+    assert torch.equal(crow[0, :c], x[0, pos]) and x[0, pos].min() > x[0, left].max()
+    _, _, count = topk_prefilter(x, lens, indptr, indices, 1, topk2, sample)
+    assert int(count[1]) == n
+    for k in (topk, topk2):
+        slots = topk_select(x, lens, indptr, indices, 1, k, block=512, sample=sample)
+        _assert_topk(slots, x, [n, n], indptr, indices, 1, k)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_select_tokens_triton_equals_torch(page_size):
     """Through labkit.indexer: the indexer's own logits, both top-k implementations, the same sets."""
@@ -210,6 +258,9 @@ def test_bad_arguments():
         (dict(count="sort"), r"count='sort'; allowed: \['histogram', 'atomic'\]"),
         (dict(count="match"), r"count='match'; allowed: \['histogram', 'atomic'\]"),
         (dict(logits=x.t().contiguous().t()), "logits rows must be contiguous"),
+        (dict(sample=24), "sample=24: must be 0 or a power of two in 16..8192"),
+        (dict(sample=16384), "sample=16384: must be 0 or a power of two"),
+        (dict(sample=64, count="atomic"), r"sample=64 selects .* got splits=None, count='atomic'"),
     ]
     for change, msg in cases:
         args = dict(logits=x, kv_lens=lens, kv_indptr=indptr, kv_indices=indices, page_size=8, topk=4)
@@ -235,18 +286,19 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
     x[3] = (2 * x[3]).exp()  # heavy tail
     x[4] = x[4].round()  # ties
     x[5, ::3] = -math.inf
-    for splits, count in ((1, "histogram"), (2, "histogram"), (None, "histogram"), (1, "atomic"), (None, "atomic")):
-        got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, splits=splits,
-                          count=count)
+    for kw in (dict(splits=1, count="histogram"), dict(splits=2, count="histogram"), dict(count="histogram"),
+               dict(splits=1, count="atomic"), dict(count="atomic"), dict(sample=2048), dict(sample=256)):
+        got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
-    graph, static = torch.cuda.CUDAGraph(), {}
-    topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk)  # compiled, warm
-    with torch.cuda.graph(graph):
-        static["out"] = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    _assert_gpu(static["out"], x, batch, topk)
+    for kw in (dict(), dict(sample=2048)):
+        graph, static = torch.cuda.CUDAGraph(), {}
+        topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)  # compiled, warm
+        with torch.cuda.graph(graph):
+            static["out"] = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        _assert_gpu(static["out"], x, batch, topk)
 
 
 def _assert_gpu(slots, x, batch, topk):
