@@ -25,6 +25,11 @@ does not depend on timing). Program 0 waits for the others and finishes the cand
 programs of a request spin on each other, so all must be resident at once: B * splits is at most
 the SM count (``auto_splits``), and the interpreter (one program after another) takes splits = 1.
 
+Prefilter (``sample``). Most of a long row cannot be in its top-k: ``topk_prefilter`` keeps, in one
+pass, the logits at or above a threshold sampled from the row (exact: every key left out is below
+every key kept, and a row whose sample misses keeps everything), and the rounds then run over
+those candidates, one program a request, with no barriers.
+
 Counting (``count``). ``tl.histogram`` costs about 2.7 warp-instructions a key on sm_90 (8 ballots,
 then a popc per bin a lane owns; 1388 instructions a 4096-key tile of the first round). "atomic" adds
 each key to the part's counters in global memory (a RED a key: 436 a tile); fewer instructions, but
