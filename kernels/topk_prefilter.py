@@ -13,7 +13,7 @@ candidates, exactly. When it does not (the sample missed the row's structure, e.
 only between the sampled positions), a second pass keeps every position. A request of
 n <= topk, or whose rs would pass the sample's end, keeps every position in order. The margin
 makes a short count rare on rows without structure: at 32K and topk 2048 with S = 2048, rs = 168
-where 128 are expected, about 3.5 standard deviations of the sample's count.
+where 128 are expected, 3.6 standard deviations of the sample's count.
 
 Moves per request 4 S B of sampled logits (scattered reads) and 4 n B of logits (from L2 when the
 logits kernel has just written them), and writes 8 B per candidate (about 1.3 topk, at most n).
@@ -87,7 +87,7 @@ def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk:
 
     logits : [B, T] float32, rows contiguous; kv_lens [B], kv_indptr [B + 1], kv_indices int32: the
         decode batch's page table (``topk_select``'s arguments, checked there).
-    sample : logits sampled per request (a power of two, 256..8192); block : logits per tile of
+    sample : logits sampled per request (a power of two, 16..8192); block : logits per tile of
         the pass (a power of two, 16..32768).
 
     Returns (crow [B, T] float32, cslot [B, T] int32, count [B] int32): request b's candidates are
