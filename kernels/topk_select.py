@@ -320,10 +320,13 @@ _ROW_STARTS: dict = {}  # (device, B, T) -> int32 [B + 1] = 0, T, 2T, ...: the c
 
 
 def _row_starts(device, B: int, T: int) -> torch.Tensor:
-    """kv_indptr of B rows of T candidates (page size 1, kv_indices = their slots), made once and kept."""
+    """kv_indptr of B rows of T candidates (page size 1, kv_indices = their slots), made once and kept;
+    made inside a CUDA-graph capture, it is the graph's own (its memory is the graph pool's) and not kept."""
     t = _ROW_STARTS.get((device, B, T))
     if t is None:
-        t = _ROW_STARTS[(device, B, T)] = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        t = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ROW_STARTS[(device, B, T)] = t
     return t
 
 
