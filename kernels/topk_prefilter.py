@@ -59,10 +59,13 @@ def _keep_above(row, n, t16, cr, cs, pages, PAGE: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot, count, stride_c, topk,
+def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot, count, starts, stride_c, topk,
                            PAGE: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: request b's candidates (module docstring)."""
+    """Program b: request b's candidates (module docstring), and where its row of cslot starts."""
     b = tl.program_id(0).to(tl.int64)
+    tl.store(starts + b, b * stride_c)
+    if b == tl.num_programs(0) - 1:
+        tl.store(starts + b + 1, (b + 1) * stride_c)
     n = tl.load(lens + b)
     row = logits + b * stride_l
     pages = indices + tl.load(indptr + b)
@@ -75,9 +78,8 @@ def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot,
         if rs < S:
             t16 = _sample_prefix(row, n, S, rs, SAMPLE)
     c = _keep_above(row, n, t16, cr, cs, pages, PAGE, BLOCK)
-    if c < topk:
-        if c < n:  # the threshold sat too high: keep every position
-            c = _keep_above(row, n, t16 * 0, cr, cs, pages, PAGE, BLOCK)
+    if c < tl.minimum(topk, n):  # the threshold sat too high: keep every position
+        c = _keep_above(row, n, t16 * 0, cr, cs, pages, PAGE, BLOCK)
     tl.store(count + b, c)
 
 
@@ -90,16 +92,18 @@ def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk:
     sample : logits sampled per request (a power of two, 16..8192); block : logits per tile of
         the pass (a power of two, 16..32768).
 
-    Returns (crow [B, T] float32, cslot [B, T] int32, count [B] int32): request b's candidates are
-    crow[b, :count[b]] with global token slots cslot[b, :count[b]], in position order; past count
-    the rows are unwritten.
+    Returns (crow [B, T] float32, cslot [B, T] int32, count [B] int32, starts [B + 1] int32): request
+    b's candidates are crow[b, :count[b]] with global token slots cslot[b, :count[b]], in position
+    order (past count the rows are unwritten); starts = 0, T, 2T, ... is the page table (page size
+    1) through which ``topk_select`` reads cslot as the candidates' slots.
     """
     B, T = logits.shape
     crow = torch.empty(B, T, dtype=torch.float32, device=logits.device)
     cslot = torch.empty(B, T, dtype=torch.int32, device=logits.device)
     count = torch.empty(B, dtype=torch.int32, device=logits.device)
+    starts = torch.empty(B + 1, dtype=torch.int32, device=logits.device)  # all written by the kernel when B > 0
     if B:
-        _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count, T,
-                                     topk, PAGE=page_size, SAMPLE=sample,
+        _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
+                                     starts, T, topk, PAGE=page_size, SAMPLE=sample,
                                      BLOCK=min(block, triton.next_power_of_2(max(T, 16))), num_warps=num_warps)
-    return crow, cslot, count
+    return crow, cslot, count, starts

@@ -316,20 +316,6 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
     return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
 
 
-_ROW_STARTS: dict = {}  # (device, B, T) -> int32 [B + 1] = 0, T, 2T, ...: the candidates' "page table"
-
-
-def _row_starts(device, B: int, T: int) -> torch.Tensor:
-    """kv_indptr of B rows of T candidates (page size 1, kv_indices = their slots), made once and kept;
-    made inside a CUDA-graph capture, it is the graph's own (its memory is the graph pool's) and not kept."""
-    t = _ROW_STARTS.get((device, B, T))
-    if t is None:
-        t = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _ROW_STARTS[(device, B, T)] = t
-    return t
-
-
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
                count: str | None = None, sample: int = 0) -> torch.Tensor:
@@ -384,9 +370,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
                              f"got splits={splits!r}, count={count!r} (allowed: None or 1, None or 'histogram')")
         from .topk_prefilter import topk_prefilter
 
-        crow, cslot, cnt = topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, sample,
-                                          block=block, num_warps=num_warps)
-        return topk_select(crow, cnt, _row_starts(logits.device, B, T), cslot.view(-1), 1, topk, splits=1,
+        crow, cslot, cnt, starts = topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, sample,
+                                                  block=block, num_warps=num_warps)
+        return topk_select(crow, cnt, starts, cslot.view(-1), 1, topk, splits=1,
                            block=block, cand_block=cand_block, digit_bits=digit_bits, num_warps=num_warps,
                            count="histogram")
     if count is None:

@@ -159,7 +159,7 @@ def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
     x[1, 1::16][:topk] = 0.75  # the top-k's remainder sits between them
     lens, (indptr, indices) = torch.tensor([n, n], dtype=torch.int32), _table([n, n], 1)
     topk2 = 300  # > 256 sampled ones: the sample's threshold (the prefix of 1.0) keeps too few
-    crow, cslot, count = topk_prefilter(x, lens, indptr, indices, 1, topk, sample)
+    crow, cslot, count, _ = topk_prefilter(x, lens, indptr, indices, 1, topk, sample)
     c = int(count[0])
     where = {int(t): p for p, t in enumerate(indices[:n])}
     pos = torch.tensor([where[int(t)] for t in cslot[0, :c]])
@@ -167,7 +167,7 @@ def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
     left[pos] = False
     assert topk <= c < n // 8 and torch.equal(pos, pos.sort().values)  # distinct, in position order
     assert torch.equal(crow[0, :c], x[0, pos]) and x[0, pos].min() > x[0, left].max()
-    _, _, count = topk_prefilter(x, lens, indptr, indices, 1, topk2, sample)
+    _, _, count, _ = topk_prefilter(x, lens, indptr, indices, 1, topk2, sample)
     assert int(count[1]) == n
     for k in (topk, topk2):
         slots = topk_select(x, lens, indptr, indices, 1, k, block=512, sample=sample)
