@@ -60,8 +60,10 @@ def _keep_above(row, n, t16, cr, cs, pages, PAGE: tl.constexpr, BLOCK: tl.conste
 
 @triton.jit
 def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot, count, starts, stride_c, topk,
-                           PAGE: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: request b's candidates (module docstring), and where its row of cslot starts."""
+                           PAGE: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr):
+    """Program b: request b's candidates (module docstring), and where its row of cslot starts.
+    FIRST = False: the first pass was the logits kernel's (count[b] candidates written); only the
+    check and the fallback are left."""
     b = tl.program_id(0).to(tl.int64)
     tl.store(starts + b, b * stride_c)
     if b == tl.num_programs(0) - 1:
@@ -70,17 +72,44 @@ def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot,
     row = logits + b * stride_l
     pages = indices + tl.load(indptr + b)
     cr, cs = crow + b * stride_c, cslot + b * stride_c
-    t16 = n * 0  # 0: every position
+    if FIRST:
+        t16 = n * 0  # 0: every position
+        if n > topk:
+            S = tl.minimum(n, SAMPLE)
+            rs = _sample_rank(n, S, topk)
+            if rs < S:
+                t16 = _sample_prefix(row, n, S, rs, SAMPLE)
+        c = _keep_above(row, n, t16, cr, cs, pages, PAGE, BLOCK)
+    else:
+        c = tl.load(count + b)
+    if c < tl.minimum(topk, n):  # the threshold sat too high: keep every position
+        c = _keep_above(row, n, 0, cr, cs, pages, PAGE, BLOCK)
+    tl.store(count + b, c)
+
+
+@triton.jit
+def _sample_rank(n, S, topk):
+    """The k-th's expected rank among S of n sampled logits, with the margin (module docstring)."""
+    rs = (topk * S + n - 1) // n
+    return rs + rs // 4 + 8
+
+
+@triton.jit
+def _threshold_kernel(sampled, stride_s, lens, t16, count, topk, SAMPLE: tl.constexpr):
+    """Program b: t16[b] from request b's S = min(n, SAMPLE) sampled logits sampled[b, :S] (65536,
+    none kept, when n <= topk: the fallback then keeps every position in order; 0, all kept, when
+    the sample's rank would pass its end), and count[b] = 0 for the logits kernel's atomics."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(lens + b)
+    t = n * 0 + 65536
     if n > topk:
         S = tl.minimum(n, SAMPLE)
-        rs = (topk * S + n - 1) // n
-        rs = rs + rs // 4 + 8
+        rs = _sample_rank(n, S, topk)
+        t = n * 0
         if rs < S:
-            t16 = _sample_prefix(row, n, S, rs, SAMPLE)
-    c = _keep_above(row, n, t16, cr, cs, pages, PAGE, BLOCK)
-    if c < tl.minimum(topk, n):  # the threshold sat too high: keep every position
-        c = _keep_above(row, n, t16 * 0, cr, cs, pages, PAGE, BLOCK)
-    tl.store(count + b, c)
+            t = _sample_prefix(sampled + b * stride_s, S, S, rs, SAMPLE)
+    tl.store(t16 + b, t)
+    tl.store(count + b, 0)
 
 
 def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, sample: int,
@@ -105,5 +134,50 @@ def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk:
     if B:
         _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
                                      starts, T, topk, PAGE=page_size, SAMPLE=sample,
-                                     BLOCK=min(block, triton.next_power_of_2(max(T, 16))), num_warps=num_warps)
+                                     BLOCK=min(block, triton.next_power_of_2(max(T, 16))), FIRST=True,
+                                     num_warps=num_warps)
+    return crow, cslot, count, starts
+
+
+def sample_positions(kv_lens, sample: int):
+    """The positions the threshold samples: kv_lens [B] int -> (positions [B, sample] int64, j * n // S
+    for j < S = min(n, sample), -1 past S; S [B] int32). Made once per batch (any layer's logits at
+    these positions, e.g. ``index_logits`` over ``labkit.indexer.token_ids`` of them at page size 1)."""
+    n = kv_lens.long()[:, None]
+    S = n.clamp_max(sample)
+    j = torch.arange(sample, device=kv_lens.device)[None, :]
+    return torch.where(j < S, j * n // S.clamp_min(1), -1), S[:, 0].to(torch.int32)
+
+
+def sample_threshold(sampled, kv_lens, topk: int):
+    """Thresholds for ``index_logits(candidates=...)`` from each request's sampled logits.
+
+    sampled : [B, sample] float32, request b's logits at ``sample_positions`` (the first
+        min(kv_lens[b], sample) entries are read); kv_lens : [B] int32; topk : >= 1.
+    Returns (t16 [B] int32, count [B] int32 zeroed): made by one launch, ready for the logits kernel.
+    """
+    B, sample = sampled.shape
+    if sample < 16 or sample & (sample - 1) or sample > 8192 or sampled.stride(1) != 1:
+        raise ValueError(f"sampled must be [B, S] float32 with S a power of two in 16..8192 and contiguous rows, "
+                         f"got {tuple(sampled.shape)}")
+    t16 = torch.empty(B, dtype=torch.int32, device=sampled.device)
+    count = torch.empty(B, dtype=torch.int32, device=sampled.device)
+    if B:
+        _threshold_kernel[(B,)](sampled, sampled.stride(0), kv_lens, t16, count, topk, SAMPLE=sample, num_warps=4)
+    return t16, count
+
+
+def finish_candidates(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, crow, cslot, count,
+                      block: int = 4096, num_warps: int = 8):
+    """After ``index_logits(candidates=(t16, crow, cslot, count))``: the fallback of every request
+    whose count fell short of min(topk, kv_lens[b]) (every request of n <= topk, whose t16 kept
+    none, so that its slots come in context order), and the page table of the candidates.
+    Arguments as ``topk_prefilter``'s; returns its four tensors (crow and cslot in no set order)."""
+    B, T = logits.shape
+    starts = torch.empty(B + 1, dtype=torch.int32, device=logits.device)
+    if B:
+        _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
+                                     starts, crow.stride(0), topk, PAGE=page_size, SAMPLE=16,
+                                     BLOCK=min(block, triton.next_power_of_2(max(T, 16))), FIRST=False,
+                                     num_warps=num_warps)
     return crow, cslot, count, starts

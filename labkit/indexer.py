@@ -192,6 +192,61 @@ def logits_triton(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBa
 LOGITS = {"reference": logits_reference, "torch": logits_torch, "triton": logits_triton}
 
 
+@dataclass
+class SampleTable:
+    """Where the top-k's threshold samples each request's logits (``kernels.topk_prefilter``), as a
+    page table of page size 1 over the sampled tokens: kv_indptr [B + 1] int32 (b * sample),
+    kv_indices [B * sample] int32 global token ids (-1 past S), kv_lens [B] int32 S = min(n, sample).
+    Made once per batch (``sample_table``); every layer's indexer reads the same positions."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    sample: int
+
+
+def sample_table(batch: DecodeBatch, sample: int = 1024) -> SampleTable:
+    """The sampled positions j * n // S (j < S = min(n, sample)) of every request of ``batch``."""
+    from .kernels.topk_prefilter import sample_positions
+
+    if isinstance(sample, bool) or not isinstance(sample, int) or not 16 <= sample <= 8192 or sample & (sample - 1):
+        raise ValueError(f"sample={sample!r}: must be a power of two in 16..8192")
+    pos, S = sample_positions(batch.kv_lens, sample)
+    ids = token_ids(batch, pos).to(torch.int32).reshape(-1)
+    indptr = torch.arange(batch.batch_size + 1, dtype=torch.int32, device=ids.device) * sample
+    return SampleTable(indptr, ids, S, sample)
+
+
+def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
+                     table: SampleTable, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and top-k slots with the top-k's candidates made by the logits kernel: the logits at
+    ``table``'s sampled positions give each request a threshold, the logits kernel appends the
+    logits above it (about 1.3 index_topk a request) to scratch as it writes the row, and the radix
+    select runs over those, one program a request (exact: a request whose sample misses keeps its
+    whole row). Five launches; float32 logits [B, max_len] and int32 slots [B, index_topk] as
+    ``logits_triton`` and ``select_tokens`` give them (slots unsorted). ``tuning``: index_logits'."""
+    from .kernels.index_logits import index_logits
+    from .kernels.topk_prefilter import finish_candidates, sample_threshold
+    from .kernels.topk_select import topk_select
+
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
+    if table.kv_lens.shape[0] != batch.batch_size:
+        raise ValueError(f"table has {table.kv_lens.shape[0]} requests; the batch has {batch.batch_size}")
+    k, ks, B, T = cache.k_idx(layer), cache.k_scale(layer), batch.batch_size, batch.max_len
+    sampled = index_logits(q_idx, weights, k, ks, table.kv_indptr, table.kv_indices, table.kv_lens, 1,
+                           table.sample, block_t=16 if table.sample < 64 else 64)
+    t16, count = sample_threshold(sampled, batch.kv_lens, index_topk)
+    crow = torch.empty(B, T, dtype=torch.float32, device=sampled.device)
+    cslot = torch.empty(B, T, dtype=torch.int32, device=sampled.device)
+    logits = index_logits(q_idx, weights, k, ks, batch.kv_indptr, batch.kv_indices, batch.kv_lens, batch.page_size,
+                          T, candidates=(t16, crow, cslot, count), **tuning)
+    crow, cslot, count, starts = finish_candidates(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices,
+                                                   batch.page_size, index_topk, crow, cslot, count)
+    slots = topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram")
+    return logits, slots
+
+
 # -- top-k slots ---------------------------------------------------------------------------------
 TOPK_IMPLS = ("torch", "triton")
 

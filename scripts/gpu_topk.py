@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # labkit from a
 import torch  # noqa: E402
 
 from labkit import config, envinfo, kvpool, timing  # noqa: E402
-from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_triton, positions_of,  # noqa: E402
-                            quantize_index_keys, quantize_index_query, select_tokens, token_ids)
+from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_and_slots, logits_triton,  # noqa: E402
+                            positions_of, quantize_index_keys, quantize_index_query, sample_table, select_tokens,
+                            token_ids)
 from labkit.kernels.topk_select import auto_splits, topk_select  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 131072), (128, 32768)]
@@ -52,6 +53,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "sample1k": dict(sample=1024), "sample2k": dict(sample=2048), "sample4k": dict(sample=4096),
     "sample2k_w16": dict(sample=2048, num_warps=16), "sample2k_w4": dict(sample=2048, num_warps=4),
     "sample2k_db4": dict(sample=2048, digit_bits=4), "sample2k_b2k": dict(sample=2048, block=2048),
+    # logits + top-k, the candidates appended by the logits kernel above a threshold from this many
+    # sampled logits a request (labkit.indexer.logits_and_slots; column total_cand_us)
+    "cand256": dict(cand=256), "cand512": dict(cand=512), "cand1k": dict(cand=1024), "cand2k": dict(cand=2048),
 }
 
 
@@ -74,6 +78,7 @@ class Case:
         w = torch.randn(layers, batch_size, H, generator=gen, device=device) * (H * D) ** -0.5
         self.q_idx, self.weights = quantize_index_query(q, w)
         self.logits = [self.index(layer) for layer in range(layers)]
+        self.tables = {}
 
     def index(self, layer: int) -> torch.Tensor:
         return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
@@ -81,6 +86,13 @@ class Case:
     def triton_topk(self, logits, **kw) -> torch.Tensor:
         b = self.batch
         return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
+
+    def candidates(self, layer: int, sample: int) -> torch.Tensor:
+        """Logits and slots with the top-k's candidates from the logits kernel (its slots)."""
+        if sample not in self.tables:
+            self.tables[sample] = sample_table(self.batch, sample)
+        return logits_and_slots(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, self.topk,
+                                self.tables[sample])[1]
 
     def torch_topk(self, logits) -> torch.Tensor:
         return select_tokens(logits, self.batch, self.topk, check=False, topk_impl="torch")
@@ -135,11 +147,15 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
             "triton_topk_us": lambda i: case.triton_topk(L[i]),
             "total_torch_us": lambda i: case.torch_topk(case.index(i)),
             "total_triton_us": lambda i: case.triton_topk(case.index(i)),
+            "total_cand_us": lambda i: case.candidates(i, a.cand_sample),
         }
+        row["cand_sample"] = a.cand_sample
+        row["agree_cand"] = agreement(case, case.candidates(0, a.cand_sample), L[0])
         for name, fn in t.items():
             row[name] = graph_us(fn, a)
         if row["target_us"] is not None:
             row["met"] = row["total_triton_us"] <= row["target_us"]
+            row["met_cand"] = row["total_cand_us"] <= row["target_us"]
     except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return [row]
@@ -147,6 +163,11 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
     for name, kw in tunings.items():
         r = dict(batch=B, context=ctx, topk=cfg.index_topk, tuning=name, kwargs=json.dumps(kw), requests=B)
         try:
+            if "cand" in kw:  # logits + top-k with the candidates from the logits kernel
+                r["agree"] = agreement(case, case.candidates(0, kw["cand"]), L[0])
+                r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"]), a)
+                rows.append(r)
+                continue
             r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])
             r["triton_topk_us"] = graph_us(lambda i: case.triton_topk(L[i], **kw), a)
             r["total_triton_us"] = graph_us(lambda i: case.triton_topk(case.index(i), **kw), a)
@@ -172,7 +193,7 @@ def table(rows) -> str:
     cols = [("batch", "B", "%d"), ("context", "ctx", "%d"), ("tuning", "tuning", "%s"), ("agree", "ok", "%d"),
             ("logits_us", "logits", "%.1f"), ("torch_topk_us", "topk", "%.1f"), ("torch_select_us", "t.sel", "%.1f"),
             ("triton_topk_us", "triton", "%.1f"), ("total_torch_us", "tot.t", "%.1f"),
-            ("total_triton_us", "tot.tri", "%.1f"), ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
+            ("total_triton_us", "tot.tri", "%.1f"), ("total_cand_us", "tot.cand", "%.1f"), ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
     lines = [" ".join(f"{h:>8}" for _, h, _ in cols)]
     for r in rows:
         cells = [(fmt % r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
@@ -188,6 +209,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time the top-k tunings")
     ap.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), help="only these tunings (implies --sweep)")
     ap.add_argument("--shapes", nargs="+", help="only these shapes, as BxCONTEXT (e.g. 64x32768)")
+    ap.add_argument("--cand-sample", type=int, default=1024, help="logits sampled per request for the candidates")
     ap.add_argument("--layers", type=int, default=4, help="layers rotated through in each graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2, help="graph replays before the timed ones")
@@ -212,7 +234,8 @@ def main():
             res["rows"].append(row)
         write(out, res)
     print(table(res["rows"]))
-    bad = [r for r in res["rows"] if "error" in r or r.get("agree") != r.get("requests")]
+    bad = [r for r in res["rows"] if "error" in r or r.get("agree") != r.get("requests")
+           or r.get("agree_cand", r.get("requests")) != r.get("requests")]
     log(f"wrote {out / 'gpu_topk.json'} and .csv; {len(bad)} rows with an error or a mismatch")
 
 

@@ -16,7 +16,7 @@ import torch
 
 from labkit import config, kvpool, reference
 from labkit.indexer import (INDEX_PAGE, Indexer, check_slots, index_bytes, index_flops, index_page_bytes,
-                            quantize_index_keys, random_index_cache, select_tokens)
+                            logits_and_slots, quantize_index_keys, random_index_cache, sample_table, select_tokens)
 from labkit.kernels.index_logits import index_logits
 
 TINY = config.load_model("tiny")
@@ -177,6 +177,64 @@ def test_topk_sets_match_reference(page_size):
             _assert_topk_equiv(slots, ref, ix.batch, topk, tol)
 
 
+@pytest.mark.parametrize("page_size,sample", [(1, 16), (16, 32), (64, 64)])
+def test_logits_and_slots_from_candidates(page_size, sample):
+    """The logits kernel's candidates (a threshold sampled per request) give the same logits and a
+    top-k of the reference; short rows keep context order; the candidates are few on long rows."""
+    topk = 32
+    lens = [5, 32, 33, 200, 700, 1]
+    ix = _case(page_size, lens, seed=40 + page_size, topk=topk)
+    table = sample_table(ix.batch, sample)
+    assert table.kv_lens.tolist() == [min(n, sample) for n in lens]
+    for layer in range(ix.num_layers):
+        ref = ix.logits(layer, "reference")
+        bound = _bound(ix, layer)
+        logits, slots = logits_and_slots(ix.q_idx[layer], ix.weights[layer], ix.cache, layer, ix.batch, topk, table)
+        _check_logits(logits, ref, bound)
+        assert slots.dtype == torch.int32 and tuple(slots.shape) == (len(lens), topk)
+        _assert_topk_equiv(slots, ref, ix.batch, topk, 2 * bound.amax(1))
+
+
+def test_candidates_threshold_keeps_few_and_falls_back():
+    """The candidates of a long row are its logits at or above the sampled threshold (fewer than
+    the row, at least topk); a threshold of 65536 keeps none and the fallback then keeps the whole
+    row in context order."""
+    from labkit.kernels.topk_prefilter import finish_candidates, sample_threshold
+
+    topk, n, sample = 32, 1000, 64
+    ix = _case(16, [n, 20], seed=7, topk=topk)
+    b_, table = ix.batch, sample_table(ix.batch, sample)
+    args = (ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0))
+    sampled = index_logits(*args, table.kv_indptr, table.kv_indices, table.kv_lens, 1, sample)
+    t16, count = sample_threshold(sampled, b_.kv_lens, topk)
+    assert t16[1] == 65536 and count.tolist() == [0, 0]
+    for forced in (None, 65536):
+        if forced is not None:
+            t16[0] = forced
+            count.zero_()
+        crow = torch.full((2, n), float("nan"))
+        cslot = torch.full((2, n), -7, dtype=torch.int32)
+        logits = index_logits(*args, b_.kv_indptr, b_.kv_indices, b_.kv_lens, 16, n,
+                              candidates=(t16, crow, cslot, count))
+        bits = logits[0].view(torch.int32)  # no -0.0 or NaN here: the key by its definition
+        kept = (((bits ^ ((bits >> 31) | -2**31)) >> 16) & 0xFFFF) >= t16[0]
+        if forced is None:
+            assert count[0] == kept.sum() and topk <= count[0] < n // 4
+        else:
+            assert count[0] == 0
+        crow, cslot, count, starts = finish_candidates(logits, b_.kv_lens, b_.kv_indptr, b_.kv_indices, 16, topk,
+                                                       crow, cslot, count)
+        assert starts.tolist() == [0, n, 2 * n]
+        assert count[1] == 20 and cslot[1, :20].tolist() == _ids(b_, 1) and torch.equal(crow[1, :20], logits[1, :20])
+        c = int(count[0])
+        ids = torch.tensor(_ids(b_, 0))
+        want = sorted(ids[kept].tolist()) if forced is None else ids.tolist()
+        got = cslot[0, :c].tolist()
+        assert (sorted(got) if forced is None else got) == want
+        pos = {t: p for p, t in enumerate(ids.tolist())}
+        assert torch.equal(crow[0, :c], logits[0, [pos[t] for t in got]])
+
+
 def test_ties_at_kth_logit_any_choice():
     """Equal logits at the k-th place: any of the tied tokens may be taken."""
     batch = _case(16, [10]).batch
@@ -288,3 +346,15 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
         _check_logits(logits.cpu(), ref, bound)
         slots = select_tokens(logits, b, cfg.index_topk)
         _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
+    for sample in (256, 1024):  # the top-k's candidates from the logits kernel, eager and from a graph
+        table = sample_table(b, sample)
+        args = (ix.q_idx[0], ix.weights[0], ix.cache, 0, b, cfg.index_topk, table)
+        logits, slots = logits_and_slots(*args, block_t=block_t)
+        _check_logits(logits.cpu(), ref, bound)
+        _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _, g_slots = logits_and_slots(*args, block_t=block_t)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_topk_equiv(g_slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
