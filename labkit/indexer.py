@@ -217,17 +217,15 @@ def sample_table(batch: DecodeBatch, sample: int = 1024) -> SampleTable:
     return SampleTable(indptr, ids, S, sample)
 
 
-def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
-                     table: SampleTable, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and top-k slots with the top-k's candidates made by the logits kernel: the logits at
-    ``table``'s sampled positions give each request a threshold, the logits kernel appends the
-    logits above it (about 1.3 index_topk a request) to scratch as it writes the row, and the radix
-    select runs over those, one program a request (exact: a request whose sample misses keeps its
-    whole row). Five launches; float32 logits [B, max_len] and int32 slots [B, index_topk] as
-    ``logits_triton`` and ``select_tokens`` give them (slots unsorted). ``tuning``: index_logits'."""
+def logits_with_candidates(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
+                           table: SampleTable, **tuning) -> tuple[torch.Tensor, tuple]:
+    """The logits (as ``logits_triton``) and, appended by the same kernel, each request's top-k
+    candidates: the logits at ``table``'s sampled positions give each request a threshold, and the
+    logits kernel appends those at or above it (about 1.3 index_topk a request) to scratch as it
+    writes the row. Three launches. Returns (logits float32 [B, max_len], candidates), the latter
+    for ``slots_from_candidates``. ``tuning``: index_logits'."""
     from .kernels.index_logits import index_logits
-    from .kernels.topk_prefilter import finish_candidates, sample_threshold
-    from .kernels.topk_select import topk_select
+    from .kernels.topk_prefilter import sample_threshold
 
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
@@ -241,10 +239,27 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
     cslot = torch.empty(B, T, dtype=torch.int32, device=sampled.device)
     logits = index_logits(q_idx, weights, k, ks, batch.kv_indptr, batch.kv_indices, batch.kv_lens, batch.page_size,
                           T, candidates=(t16, crow, cslot, count), **tuning)
+    return logits, (crow, cslot, count)
+
+
+def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, candidates: tuple) -> torch.Tensor:
+    """Slots int32 [B, index_topk] (as ``select_tokens``) from ``logits_with_candidates``' output: the
+    fallback of every request whose candidates fell short (its whole row, in context order), then the
+    radix select over the candidates, one program a request. Two launches; exact."""
+    from .kernels.topk_prefilter import finish_candidates
+    from .kernels.topk_select import topk_select
+
     crow, cslot, count, starts = finish_candidates(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices,
-                                                   batch.page_size, index_topk, crow, cslot, count)
-    slots = topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram")
-    return logits, slots
+                                                   batch.page_size, index_topk, *candidates)
+    return topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram")
+
+
+def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
+                     table: SampleTable, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits_with_candidates`` then ``slots_from_candidates``: (logits [B, max_len] float32, slots
+    [B, index_topk] int32), five launches, exact (a request whose sample misses keeps its row)."""
+    logits, cand = logits_with_candidates(q_idx, weights, cache, layer, batch, index_topk, table, **tuning)
+    return logits, slots_from_candidates(logits, batch, index_topk, cand)
 
 
 # -- top-k slots ---------------------------------------------------------------------------------
