@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from . import backends, config, kvlayout, measure, plots, reference
-from .indexer import Indexer, select_tokens
+from .indexer import Indexer, select_tokens, slots_from_candidates
 from .kvpool import DecodeBatch, batch_for_pool, make_queries, random_pool
 from .lab import Lab, run_folder
 from .lab import pick as pick_for_lab
@@ -31,6 +31,7 @@ from .stepmodel import rest_from_seed, tokens_per_s
 
 SPARSE_PATHS = ("full_pool_cast", "gather_cast", "fp8_native", "bf16_pool")
 BF16_ROW = kvlayout.KV_LAYOUTS["bf16"]  # 1152 B: a token cast to BF16
+STEP_TOPK_IMPLS = (None, "torch", "triton", "candidates")  # DsaLab.topk_impl
 MEMORY_SHARE = 0.5  # of the device's memory for the measured pool: room for a BF16 layer and the index keys
 
 
@@ -40,6 +41,9 @@ class DsaLab:
 
     sparse: the batch with the indexer's slots of every measured layer, int32 [layers, B, topk]
     index_impl: the indexer's logits implementation ("torch", "triton", "reference")
+    topk_impl: the step's top-k: None (``select_tokens``' default), "torch", "triton", or
+        "candidates" (appended by the logits kernel, ``indexer.logits_with_candidates``; needs
+        index_impl "triton")
     impl, precision: how each path's backend is picked (``pick``)
     """
 
@@ -49,6 +53,7 @@ class DsaLab:
     index_impl: str
     impl: str = "auto"
     precision: str = "fast"
+    topk_impl: str | None = None  # the step's top-k (Indexer.topk's topk_impl; None: select_tokens' default)
     bf16_lab: Lab | None = field(default=None, repr=False)  # layer 0 in BF16, made once (on_pool)
 
     @property
@@ -99,18 +104,24 @@ def fit_layers(layers: int, pool_tokens: int, kv_layout: str, index_head_dim: in
 
 def build(p: config.LabParams, index_topk: int | None = None, index_n_heads: int | None = None,
           impl: str = "auto", precision: str = "fast", run_dir=None, warmup_ms: float = 25,
-          rep_ms: float = 100) -> DsaLab:
+          rep_ms: float = 100, topk_impl: str | None = None) -> DsaLab:
     """Pool of ``p.kv_layout`` (``p.layers`` layers, fewer when they do not fit the device), dense
     batch, MLA queries, an indexer over every pool token, and the sparse batch of its top-k slots
-    per layer. ``impl`` and ``precision`` pick each path's backend (``pick``) and the indexer's."""
+    per layer. ``impl`` and ``precision`` pick each path's backend (``pick``) and the indexer's;
+    ``topk_impl`` the step's top-k (``DsaLab.topk_impl``)."""
     kv_layout = p.kv_layout
+    if topk_impl not in STEP_TOPK_IMPLS:
+        raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(STEP_TOPK_IMPLS)}")
+    if topk_impl == "candidates" and index_impl(impl, p.device) != "triton":
+        raise ValueError(f"topk_impl='candidates' needs the Triton indexer (a CUDA device and impl 'auto' or a "
+                         f"kernel), got impl={impl!r} on {p.device!r}")
     cfg = model_cfg(p.model, index_topk, index_n_heads)
     if p.device == "cpu":
         torch.set_num_threads(1)  # as labkit.lab.Lab: another process on a core stalls multi-threaded ops
     layers = fit_layers(p.layers, p.pool_tokens, kv_layout, cfg.index_head_dim, p.device)
     lab = Lab(p, None, None, None, None, run_folder(run_dir), warmup_ms, rep_ms)
     dl = _assemble(lab, cfg, index_impl(impl, p.device), layers, p.pool_tokens, p.lens, kv_layout)
-    return replace(dl, impl=impl, precision=precision)
+    return replace(dl, impl=impl, precision=precision, topk_impl=topk_impl)
 
 
 def _assemble(lab: Lab, cfg: config.ModelConfig, impl: str, layers: int, pool_tokens: int, lens,
@@ -131,7 +142,7 @@ def case(dl: DsaLab, batch_size: int, context: int) -> DsaLab:
     ps = dl.p.page_size
     c = _assemble(dl.lab, dl.indexer.cfg, dl.index_impl, 1, batch_size * -(-context // ps) * ps,
                   [context] * batch_size, dl.lab.pool.kv_layout)
-    return replace(c, impl=dl.impl, precision=dl.precision)
+    return replace(c, impl=dl.impl, precision=dl.precision, topk_impl=dl.topk_impl)
 
 
 # -- the step -----------------------------------------------------------------------------------------
@@ -167,10 +178,16 @@ def sparse_layer(dl: DsaLab, plan, layer: int, kv_layer: int) -> torch.Tensor:
     """One DSA layer: the indexer's logits of ``layer`` [B, max_len], its top-k slots [B, topk] int32,
     then sparse MLA over ``kv_layer`` of the plan's pool -> out [B, H, 512] bf16."""
     lab = dl.lab
+    if dl.topk_impl == "candidates":  # the logits kernel appends the top-k's candidates
+        with record_function("index"):
+            logits, cand = dl.indexer.logits_with_candidates(layer)
+        with record_function("topk"):
+            slots = slots_from_candidates(logits, dl.indexer.batch, dl.topk, cand)
+        return plan.run(lab.q_nope, lab.q_pe, kv_layer, slots)
     with record_function("index"):
         logits = dl.indexer.logits(layer, dl.index_impl)
     with record_function("topk"):
-        slots = select_tokens(logits, dl.indexer.batch, dl.topk, check=False)  # checked where tested
+        slots = select_tokens(logits, dl.indexer.batch, dl.topk, check=False, topk_impl=dl.topk_impl)
     return plan.run(lab.q_nope, lab.q_pe, kv_layer, slots)
 
 

@@ -205,7 +205,10 @@ class SampleTable:
     sample: int
 
 
-def sample_table(batch: DecodeBatch, sample: int = 1024) -> SampleTable:
+CAND_SAMPLE = 1024  # logits sampled per request for the candidates' threshold
+
+
+def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE) -> SampleTable:
     """The sampled positions j * n // S (j < S = min(n, sample)) of every request of ``batch``."""
     from .kernels.topk_prefilter import sample_positions
 
@@ -400,6 +403,7 @@ class Indexer:
         q = torch.randn(*shape, D, generator=gen, device=pool.device)
         w = torch.randn(*shape, generator=gen, device=pool.device) * (H * D) ** -0.5
         self.q_idx, self.weights = quantize_index_query(q, w)
+        self._tables: dict[int, SampleTable] = {}  # sample -> where the candidates' threshold samples
 
     @property
     def num_layers(self) -> int:
@@ -414,8 +418,26 @@ class Indexer:
         return LOGITS[impl](self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
 
     def topk(self, layer: int, impl: str = "torch", check: bool = True, topk_impl: str | None = None) -> torch.Tensor:
-        """int32 [B, index_topk] slots of ``layer``: logits by ``impl``, top-k by ``topk_impl``."""
-        return select_tokens(self.logits(layer, impl), self.batch, self.index_topk, check, topk_impl)
+        """int32 [B, index_topk] slots of ``layer``: logits by ``impl``, top-k by ``topk_impl``
+        (``select_tokens``'; "candidates": ``logits_with_candidates``, with impl "triton")."""
+        if topk_impl != "candidates":
+            return select_tokens(self.logits(layer, impl), self.batch, self.index_topk, check, topk_impl)
+        if impl != "triton":
+            raise ValueError(f"topk_impl='candidates' needs impl='triton' (the logits kernel appends them), got {impl!r}")
+        logits, cand = self.logits_with_candidates(layer)
+        slots = slots_from_candidates(logits, self.batch, self.index_topk, cand)
+        if check:
+            check_slots(self.batch, slots)
+        return slots
+
+    def logits_with_candidates(self, layer: int, sample: int = CAND_SAMPLE) -> tuple[torch.Tensor, tuple]:
+        """``logits_with_candidates`` for ``layer``; the sampled positions made once per ``sample``."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer}; allowed 0..{self.num_layers - 1}")
+        if sample not in self._tables:
+            self._tables[sample] = sample_table(self.batch, sample)
+        return logits_with_candidates(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch,
+                                      self.index_topk, self._tables[sample])
 
     def step_slots(self, impl: str = "torch", check: bool = True, topk_impl: str | None = None) -> torch.Tensor:
         """int32 [num_layers, B, index_topk]: one decode step's slots, for DecodeBatch(token_indices=...)."""

@@ -8,6 +8,7 @@ import torch
 
 from labkit import backends, config, dsa, profiling, reference
 from labkit.config import LabParams
+from labkit.indexer import positions_of
 from labkit.profiling import DSA_CATEGORIES
 
 TOL = 4e-3  # a BF16 output against the float64 oracle (see test_paths.py)
@@ -16,11 +17,11 @@ TOL = 4e-3  # a BF16 output against the float64 oracle (see test_paths.py)
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _lab(kv_layout="fp8_per_tensor", lens=(100, 300, 65), page_size=32, index_topk=128, num_layers=2):
+def _lab(kv_layout="fp8_per_tensor", lens=(100, 300, 65), page_size=32, index_topk=128, num_layers=2, **kw):
     """tiny, 8 heads; requests of 100 and 65 tokens are shorter than top-128 (-1 slots)."""
     p = LabParams.make(model="tiny", num_layers=num_layers, tp_size=2, pool_tokens=1024, page_size=page_size,
                        batch_size=len(lens), context_lens=list(lens), kv_layout=kv_layout, device="cpu")
-    return dsa.build(p, index_topk=index_topk, warmup_ms=1, rep_ms=1)
+    return dsa.build(p, index_topk=index_topk, warmup_ms=1, rep_ms=1, **kw)
 
 
 # -- the step model, by hand -----------------------------------------------------------------------
@@ -78,6 +79,10 @@ def test_bad_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match="index_n_heads=-2"):
         dsa.model_cfg("tiny", index_n_heads=-2)
     assert dsa.model_cfg("glm5", 512, 8).index_topk == 512 and dsa.model_cfg("glm5").index_n_heads == 32
+    with pytest.raises(ValueError, match=r"topk_impl='heap'; allowed: \[None, 'torch', 'triton', 'candidates'\]"):
+        _lab(topk_impl="heap")
+    with pytest.raises(ValueError, match="topk_impl='candidates' needs the Triton indexer"):
+        _lab(topk_impl="candidates")  # impl 'auto' on a CPU: the torch indexer
 
 
 # -- the profile ------------------------------------------------------------------------------------
@@ -123,6 +128,23 @@ def test_sparse_step_matches_the_oracle(kv_layout, impl):
             kv = dl.lab.pool.dequant(kv_layer, torch.float64)  # the whole layer, independently of dsa.oracle
             ref = reference.mla_decode(lab.q_nope, lab.q_pe, kv, dl.sparse.with_slots(slots), lab.sm_scale)
             assert reference.rel_err(out, ref) < TOL, (b.name, layer)
+
+
+def test_step_with_the_logits_kernels_candidates():
+    """topk_impl='candidates': the step's slots come from the logits kernel's candidates; the same
+    attention output as the oracle over those slots, and a top-k of the reference logits."""
+    dl = _lab(lens=(100, 700, 65), page_size=16, impl="triton", topk_impl="candidates", num_layers=1)
+    b = dsa.pick(dl, "fp8_native", "triton_rows_acc")
+    plan = b.plan(dl.lab.pool, dl.sparse, dl.lab.q_nope.shape[1], dl.lab.sm_scale)
+    out = dsa.sparse_layer(dl, plan, 0, 0)
+    slots = dl.indexer.topk(0, "triton", topk_impl="candidates")  # validated by check_slots
+    ref_logits = dl.indexer.logits(0, "reference")
+    kth = ref_logits[1].topk(128).values[-1]
+    picked = ref_logits[1, positions_of(dl.indexer.batch, slots)[1]]
+    assert (picked >= kth - 1e-4 * kth.abs()).all() and (slots[0, 100:] == -1).all()
+    kv = dl.lab.pool.dequant(0, torch.float64)
+    ref = reference.mla_decode(dl.lab.q_nope, dl.lab.q_pe, kv, dl.sparse.with_slots(slots), dl.lab.sm_scale)
+    assert reference.rel_err(out, ref) < TOL
 
 
 def test_compact_oracle_equals_the_whole_layer_oracle():
