@@ -26,12 +26,12 @@ from .indexer import Indexer, select_tokens, slots_from_candidates
 from .kvpool import DecodeBatch, batch_for_pool, make_queries, random_pool
 from .lab import Lab, run_folder
 from .lab import pick as pick_for_lab
+from .profiles import STEP_TOPK_IMPLS
 from .profiling import DSA_CATEGORIES, profile_work
 from .stepmodel import rest_from_seed, tokens_per_s
 
 SPARSE_PATHS = ("full_pool_cast", "gather_cast", "fp8_native", "bf16_pool")
 BF16_ROW = kvlayout.KV_LAYOUTS["bf16"]  # 1152 B: a token cast to BF16
-STEP_TOPK_IMPLS = (None, "torch", "triton", "candidates")  # DsaLab.topk_impl
 MEMORY_SHARE = 0.5  # of the device's memory for the measured pool: room for a BF16 layer and the index keys
 
 
@@ -69,7 +69,7 @@ class DsaLab:
         return (f"{self.lab.summary()}; {pool.kv_layout} ({pool.bytes_per_token} B/token); DSA: "
                 f"{c.index_n_heads} index heads x {c.index_head_dim}, top-{self.topk} "
                 f"({self.sparse.tokens_read:,} of {self.sparse.num_tokens:,} context tokens read), "
-                f"indexer {self.index_impl}")
+                f"indexer {self.index_impl}, top-k {self.topk_impl or 'by size'}")
 
 
 def index_impl(impl: str, device: str) -> str:

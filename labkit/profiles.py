@@ -17,6 +17,7 @@ SEED_POOL_TOKENS = -(-495_000 // PAGE_SIZE) * PAGE_SIZE  # 495,040: the study's 
 # auto: backends.select, the fastest implementation measured here that allows the call (torch on a
 # CPU); any other name picks that implementation where the path has it (select elsewhere)
 IMPLS = ("auto", "torch", "triton", "seed", "triton_q8", "gluon", "gluon_acc", "triton_rows", "triton_rows_acc", "flashinfer")
+STEP_TOPK_IMPLS = (None, "torch", "triton", "candidates")  # labkit.dsa.DsaLab.topk_impl
 PRECISIONS = ("fast", "accurate")  # backends.PRECISIONS: accurate = rel. error <= 3e-3
 
 DEFAULTS = dict(
@@ -35,6 +36,7 @@ DEFAULTS = dict(
     # DSA sparse decode (05): None = the model's index_topk / index_n_heads
     index_topk=None, index_n_heads=None,
     kv_layout=None,  # labkit.kvlayout name: None = kv_dtype's own (fp8_per_tensor, bf16); or fp8_ds_mla
+    topk_impl=None,  # the DSA step's top-k (STEP_TOPK_IMPLS): None = by size; "candidates" (GPU)
     sparse_contexts=[128, 512],  # tokens per request, at sparse_batch requests (one shorter than tiny's top-256)
     sparse_batch=2,
     # where records and figures go (set by labkit run; None: data/runs/interactive)
@@ -111,6 +113,8 @@ def check(params: dict) -> LabParams:
             raise ValueError(f"{name}={v!r}: must be a positive number of milliseconds")
     for name in ("sweep_batch", "sweep_context", "sparse_batch"):
         _positive_ints(name, [params[name]], scalar=True)
+    if params.get("topk_impl") not in STEP_TOPK_IMPLS:
+        raise ValueError(f"topk_impl={params.get('topk_impl')!r}; allowed: {list(STEP_TOPK_IMPLS)}")
     for name in ("index_topk", "index_n_heads"):
         if params[name] is not None:
             _positive_ints(name, [params[name]], scalar=True)
