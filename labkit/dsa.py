@@ -121,6 +121,8 @@ def build(p: config.LabParams, index_topk: int | None = None, index_n_heads: int
     layers = fit_layers(p.layers, p.pool_tokens, kv_layout, cfg.index_head_dim, p.device)
     lab = Lab(p, None, None, None, None, run_folder(run_dir), warmup_ms, rep_ms)
     dl = _assemble(lab, cfg, index_impl(impl, p.device), layers, p.pool_tokens, p.lens, kv_layout)
+    if topk_impl == "candidates":
+        dl.indexer.sample_table()  # made once, before any timing or graph capture
     return replace(dl, impl=impl, precision=precision, topk_impl=topk_impl)
 
 
@@ -142,6 +144,8 @@ def case(dl: DsaLab, batch_size: int, context: int) -> DsaLab:
     ps = dl.p.page_size
     c = _assemble(dl.lab, dl.indexer.cfg, dl.index_impl, 1, batch_size * -(-context // ps) * ps,
                   [context] * batch_size, dl.lab.pool.kv_layout)
+    if dl.topk_impl == "candidates":
+        c.indexer.sample_table()
     return replace(c, impl=dl.impl, precision=dl.precision, topk_impl=dl.topk_impl)
 
 

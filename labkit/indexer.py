@@ -434,10 +434,18 @@ class Indexer:
         """``logits_with_candidates`` for ``layer``; the sampled positions made once per ``sample``."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer}; allowed 0..{self.num_layers - 1}")
-        if sample not in self._tables:
-            self._tables[sample] = sample_table(self.batch, sample)
         return logits_with_candidates(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch,
-                                      self.index_topk, self._tables[sample])
+                                      self.index_topk, self.sample_table(sample))
+
+    def sample_table(self, sample: int = CAND_SAMPLE) -> SampleTable:
+        """This batch's ``sample_table``, made on the first call and kept (make it before a CUDA graph
+        capture: made inside one, its tensors would hold data only after a replay)."""
+        if sample not in self._tables:
+            if self.batch.kv_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("Indexer.sample_table: make it before capturing a graph "
+                                   "(call ix.sample_table() once outside the capture)")
+            self._tables[sample] = sample_table(self.batch, sample)
+        return self._tables[sample]
 
     def step_slots(self, impl: str = "torch", check: bool = True, topk_impl: str | None = None) -> torch.Tensor:
         """int32 [num_layers, B, index_topk]: one decode step's slots, for DecodeBatch(token_indices=...)."""
