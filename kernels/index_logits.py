@@ -19,8 +19,8 @@ on the request's count reserves the places, so the candidates come in no set ord
 reads those (about 1.3 topk a request) instead of the whole row.
 
 Bytes moved per context token: D + 4 read (132 for D = 128), 4 B of page table per page_size
-tokens, 4 written; q and weights once per program; with candidates 8 B more a candidate. FLOPs: 2 * H * D per token (+ 3 * H for the
-relu and the weighting).
+tokens, 4 written; q and weights once per program; with candidates 8 B more a candidate and 4 B
+of atomic a tile. FLOPs: 2 * H * D per token (+ 3 * H for the relu and the weighting).
 """
 from __future__ import annotations
 
