@@ -139,14 +139,26 @@ def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk:
     return crow, cslot, count, starts
 
 
-def sample_positions(kv_lens, sample: int):
-    """The positions the threshold samples: kv_lens [B] int -> (positions [B, sample] int64, j * n // S
-    for j < S = min(n, sample), -1 past S; S [B] int32). Made once per batch (any layer's logits at
-    these positions, e.g. ``index_logits`` over ``labkit.indexer.token_ids`` of them at page size 1)."""
+def sample_positions(kv_lens, sample: int, run: int = 1):
+    """The positions the threshold samples: kv_lens [B] int -> (positions [B, sample] int64, -1 past S;
+    S [B] int32 = min(n, sample)). With run = 1, j * n // S for j < S; with run > 1 (a power of two
+    dividing sample) where n > sample, sample / run runs of ``run`` consecutive positions, run r
+    starting at (r * n // runs) rounded down to a multiple of ``run`` (in one KV page when the page
+    size is a multiple of run: the keys are read as whole rows of a block, not one row here and
+    there; the runs' logits are less independent than single positions, which the fallback covers).
+    Made once per batch (any layer's logits at these positions, e.g. ``index_logits`` over
+    ``labkit.indexer.token_ids`` of them at page size 1)."""
+    if run < 1 or run & (run - 1) or sample % run:
+        raise ValueError(f"run={run!r}: must be a power of two dividing sample={sample}")
     n = kv_lens.long()[:, None]
     S = n.clamp_max(sample)
     j = torch.arange(sample, device=kv_lens.device)[None, :]
-    return torch.where(j < S, j * n // S.clamp_min(1), -1), S[:, 0].to(torch.int32)
+    pos = j * n // S.clamp_min(1)
+    if run > 1:
+        runs = sample // run
+        start = (j // run) * n // runs // run * run
+        pos = torch.where(n > sample, start + j % run, pos)
+    return torch.where(j < S, pos, -1), S[:, 0].to(torch.int32)
 
 
 def sample_threshold(sampled, kv_lens, topk: int):

@@ -208,13 +208,14 @@ class SampleTable:
 CAND_SAMPLE = 1024  # logits sampled per request for the candidates' threshold
 
 
-def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE) -> SampleTable:
-    """The sampled positions j * n // S (j < S = min(n, sample)) of every request of ``batch``."""
+def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE, run: int = 1) -> SampleTable:
+    """The sampled positions of every request of ``batch`` (``kernels.topk_prefilter.sample_positions``:
+    j * n // S for j < S = min(n, sample), or runs of ``run`` consecutive positions)."""
     from .kernels.topk_prefilter import sample_positions
 
     if isinstance(sample, bool) or not isinstance(sample, int) or not 16 <= sample <= 8192 or sample & (sample - 1):
         raise ValueError(f"sample={sample!r}: must be a power of two in 16..8192")
-    pos, S = sample_positions(batch.kv_lens, sample)
+    pos, S = sample_positions(batch.kv_lens, sample, run)
     ids = token_ids(batch, pos).to(torch.int32).reshape(-1)
     indptr = torch.arange(batch.batch_size + 1, dtype=torch.int32, device=ids.device) * sample
     return SampleTable(indptr, ids, S, sample)

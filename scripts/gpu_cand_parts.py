@@ -6,7 +6,7 @@ sampled logits, threshold, logits with candidates, the fallback check, the radix
 candidates, and the first three together. One line of figures per shape (us a layer) and the
 first requests' candidate counts.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_cand_parts.py [--shapes 64x32768] [--sample 1024]
+    PYTHONPATH=$PWD python3 scripts/gpu_cand_parts.py [--shapes 64x32768] [--sample 1024] [--runs 1 64]
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from labkit.kernels.topk_select import topk_select  # noqa: E402
 LAYERS = 4
 
 
-def parts(cfg, B: int, ctx: int, sample: int) -> dict:
+def parts(cfg, B: int, ctx: int, sample: int, run: int) -> dict:
     c = gpu_topk.Case(cfg, B, ctx, LAYERS, "cuda")
-    b, topk, t = c.batch, cfg.index_topk, sample_table(c.batch, sample)
+    b, topk, t = c.batch, cfg.index_topk, sample_table(c.batch, sample, run)
     us = lambda fn: timing.graph_times(fn, range(LAYERS), replays=20, warmup=2).us  # noqa: E731
     args = lambda i: (c.q_idx[i], c.weights[i], c.cache.k_idx(i), c.cache.k_scale(i))  # noqa: E731
 
@@ -52,7 +52,7 @@ def parts(cfg, B: int, ctx: int, sample: int) -> dict:
     lc = [logits_with_candidates(c.q_idx[i], c.weights[i], c.cache, i, b, topk, t) for i in range(LAYERS)]
     fin = lambda i: finish_candidates(lc[i][0], b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, topk, *lc[i][1])  # noqa: E731
     F = [fin(i) for i in range(LAYERS)]
-    row = dict(batch=B, context=ctx, sample=sample, counts=lc[0][1][2][:8].tolist())
+    row = dict(batch=B, context=ctx, sample=sample, run=run, counts=lc[0][1][2][:8].tolist())
     row.update(sampled_us=us(sampled), threshold_us=us(lambda i: sample_threshold(S[i], b.kv_lens, topk)),
                logits_cand_us=us(with_cand), logits_us=us(c.index), finish_us=us(fin),
                select_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk, splits=1,
@@ -65,13 +65,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["64x32768"])
     ap.add_argument("--sample", type=int, default=1024)
+    ap.add_argument("--runs", type=int, nargs="+", default=[1, 64], help="sampled positions in runs of these lengths")
     a = ap.parse_args()
     cfg = config.load_model("glm5")
     print(torch.cuda.get_device_name(), torch.__version__)
     for s in a.shapes:
         B, ctx = (int(v) for v in s.split("x"))
-        r = parts(cfg, B, ctx, a.sample)
-        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        for run in a.runs:
+            r = parts(cfg, B, ctx, a.sample, run)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

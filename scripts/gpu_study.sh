@@ -4,7 +4,7 @@
 # the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk cand"
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh pytest-xdist (-> .whl/) and, for the FlashInfer peers,
@@ -61,6 +61,8 @@ for s in $stages; do
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
     # the DSA indexer's logits and top-k beside torch.topk (run 10: about 60 s)
     topk) stage topk "${T_topk:-150}" python3 scripts/gpu_topk.py --out "$run_dir/topk" ;;
+    # the parts of logits + top-k with the logits kernel's candidates (run 20: about 15 s a shape)
+    cand) stage cand "${T_cand:-100}" python3 scripts/gpu_cand_parts.py --shapes 64x32768 1x32768 64x131072 ;;
   esac
 done
 if [ ${#failed[@]} -eq 0 ]; then

@@ -56,6 +56,8 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     # logits + top-k, the candidates appended by the logits kernel above a threshold from this many
     # sampled logits a request (labkit.indexer.logits_and_slots; column total_cand_us)
     "cand256": dict(cand=256), "cand512": dict(cand=512), "cand1k": dict(cand=1024), "cand2k": dict(cand=2048),
+    # the same, sampling runs of 16 / 64 consecutive positions (whole rows of an index-key page)
+    "cand1k_r16": dict(cand=1024, run=16), "cand1k_r64": dict(cand=1024, run=64),
 }
 
 
@@ -87,12 +89,12 @@ class Case:
         b = self.batch
         return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
 
-    def candidates(self, layer: int, sample: int) -> torch.Tensor:
+    def candidates(self, layer: int, sample: int, run: int = 1) -> torch.Tensor:
         """Logits and slots with the top-k's candidates from the logits kernel (its slots)."""
-        if sample not in self.tables:
-            self.tables[sample] = sample_table(self.batch, sample)
+        if (sample, run) not in self.tables:
+            self.tables[sample, run] = sample_table(self.batch, sample, run)
         return logits_and_slots(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, self.topk,
-                                self.tables[sample])[1]
+                                self.tables[sample, run])[1]
 
     def torch_topk(self, logits) -> torch.Tensor:
         return select_tokens(logits, self.batch, self.topk, check=False, topk_impl="torch")
@@ -164,8 +166,9 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
         r = dict(batch=B, context=ctx, topk=cfg.index_topk, tuning=name, kwargs=json.dumps(kw), requests=B)
         try:
             if "cand" in kw:  # logits + top-k with the candidates from the logits kernel
-                r["agree"] = agreement(case, case.candidates(0, kw["cand"]), L[0])
-                r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"]), a)
+                run = kw.get("run", 1)
+                r["agree"] = agreement(case, case.candidates(0, kw["cand"], run), L[0])
+                r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"], run), a)
                 rows.append(r)
                 continue
             r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])

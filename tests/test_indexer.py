@@ -177,14 +177,14 @@ def test_topk_sets_match_reference(page_size):
             _assert_topk_equiv(slots, ref, ix.batch, topk, tol)
 
 
-@pytest.mark.parametrize("page_size,sample", [(1, 16), (16, 32), (64, 64)])
-def test_logits_and_slots_from_candidates(page_size, sample):
+@pytest.mark.parametrize("page_size,sample,run", [(1, 16, 1), (16, 32, 1), (64, 64, 1), (16, 64, 16)])
+def test_logits_and_slots_from_candidates(page_size, sample, run):
     """The logits kernel's candidates (a threshold sampled per request) give the same logits and a
     top-k of the reference; short rows keep context order; the candidates are few on long rows."""
     topk = 32
     lens = [5, 32, 33, 200, 700, 1]
     ix = _case(page_size, lens, seed=40 + page_size, topk=topk)
-    table = sample_table(ix.batch, sample)
+    table = sample_table(ix.batch, sample, run)
     assert table.kv_lens.tolist() == [min(n, sample) for n in lens]
     for layer in range(ix.num_layers):
         ref = ix.logits(layer, "reference")
@@ -193,6 +193,32 @@ def test_logits_and_slots_from_candidates(page_size, sample):
         _check_logits(logits, ref, bound)
         assert slots.dtype == torch.int32 and tuple(slots.shape) == (len(lens), topk)
         _assert_topk_equiv(slots, ref, ix.batch, topk, 2 * bound.amax(1))
+
+
+@pytest.mark.parametrize("run", [1, 4, 16])
+def test_sample_positions_spread_over_the_context(run):
+    """Distinct positions inside each context, all of a short one; runs of consecutive positions
+    that start at multiples of the run; evenly spread (run r starts within a run below r * n / runs)."""
+    from labkit.kernels.topk_prefilter import sample_positions
+
+    lens = [1, 10, 64, 65, 1000, 4099]
+    pos, S = sample_positions(torch.tensor(lens, dtype=torch.int32), 64, run)
+    assert S.tolist() == [min(n, 64) for n in lens]
+    for b, n in enumerate(lens):
+        p = pos[b]
+        assert (p[S[b]:] == -1).all()
+        v = p[: S[b]]
+        assert len(set(v.tolist())) == len(v) and 0 <= v.min() and v.max() < n
+        if n <= 64:
+            assert v.tolist() == list(range(n))
+            continue
+        r = v.view(-1, run)
+        assert (r[:, 0] % run == 0).all() and (r - r[:, :1] == torch.arange(run)).all()
+        runs = 64 // run
+        even = torch.arange(runs) * n // runs
+        assert ((even - r[:, 0] >= 0) & (even - r[:, 0] < run)).all()
+    with pytest.raises(ValueError, match="run=3"):
+        sample_positions(torch.tensor([100], dtype=torch.int32), 64, 3)
 
 
 def test_candidates_threshold_keeps_few_and_falls_back():
