@@ -246,24 +246,27 @@ def logits_with_candidates(q_idx, weights, cache: IndexCache, layer: int, batch:
     return logits, (crow, cslot, count)
 
 
-def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, candidates: tuple) -> torch.Tensor:
+def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, candidates: tuple,
+                          **select) -> torch.Tensor:
     """Slots int32 [B, index_topk] (as ``select_tokens``) from ``logits_with_candidates``' output: the
     fallback of every request whose candidates fell short (its whole row, in context order), then the
-    radix select over the candidates, one program a request. Two launches; exact."""
+    radix select over the candidates, one program a request. Two launches; exact. ``select``:
+    ``topk_select``'s tuning (block, cand_block, digit_bits, num_warps)."""
     from .kernels.topk_prefilter import finish_candidates
     from .kernels.topk_select import topk_select
 
     crow, cslot, count, starts = finish_candidates(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices,
                                                    batch.page_size, index_topk, *candidates)
-    return topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram")
+    return topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram", **select)
 
 
 def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
-                     table: SampleTable, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits_with_candidates`` then ``slots_from_candidates``: (logits [B, max_len] float32, slots
-    [B, index_topk] int32), five launches, exact (a request whose sample misses keeps its row)."""
+                     table: SampleTable, select: dict | None = None, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits_with_candidates`` (``tuning``) then ``slots_from_candidates`` (``select``): (logits
+    [B, max_len] float32, slots [B, index_topk] int32), five launches, exact (a request whose sample
+    misses keeps its row)."""
     logits, cand = logits_with_candidates(q_idx, weights, cache, layer, batch, index_topk, table, **tuning)
-    return logits, slots_from_candidates(logits, batch, index_topk, cand)
+    return logits, slots_from_candidates(logits, batch, index_topk, cand, **(select or {}))
 
 
 # -- top-k slots ---------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "cand256": dict(cand=256), "cand512": dict(cand=512), "cand1k": dict(cand=1024), "cand2k": dict(cand=2048),
     # the same, sampling runs of 16 / 64 consecutive positions (whole rows of an index-key page)
     "cand1k_r16": dict(cand=1024, run=16), "cand1k_r64": dict(cand=1024, run=64),
+    # the select over the candidates (one program a request, latency-bound: 15.8 us at 64 x 32K, run 20)
+    "cand1k_w16": dict(cand=1024, num_warps=16), "cand1k_w4": dict(cand=1024, num_warps=4),
+    "cand1k_b2k": dict(cand=1024, block=2048), "cand1k_db4": dict(cand=1024, digit_bits=4),
 }
 
 
@@ -89,12 +92,13 @@ class Case:
         b = self.batch
         return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
 
-    def candidates(self, layer: int, sample: int, run: int = 1) -> torch.Tensor:
-        """Logits and slots with the top-k's candidates from the logits kernel (its slots)."""
+    def candidates(self, layer: int, sample: int, run: int = 1, select: dict | None = None) -> torch.Tensor:
+        """Logits and slots with the top-k's candidates from the logits kernel (its slots); ``select``:
+        the radix select's tuning."""
         if (sample, run) not in self.tables:
             self.tables[sample, run] = sample_table(self.batch, sample, run)
         return logits_and_slots(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, self.topk,
-                                self.tables[sample, run])[1]
+                                self.tables[sample, run], select)[1]
 
     def torch_topk(self, logits) -> torch.Tensor:
         return select_tokens(logits, self.batch, self.topk, check=False, topk_impl="torch")
@@ -166,9 +170,9 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
         r = dict(batch=B, context=ctx, topk=cfg.index_topk, tuning=name, kwargs=json.dumps(kw), requests=B)
         try:
             if "cand" in kw:  # logits + top-k with the candidates from the logits kernel
-                run = kw.get("run", 1)
-                r["agree"] = agreement(case, case.candidates(0, kw["cand"], run), L[0])
-                r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"], run), a)
+                run, sel = kw.get("run", 1), {k: v for k, v in kw.items() if k not in ("cand", "run")}
+                r["agree"] = agreement(case, case.candidates(0, kw["cand"], run, sel), L[0])
+                r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"], run, sel), a)
                 rows.append(r)
                 continue
             r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])
