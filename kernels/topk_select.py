@@ -207,14 +207,36 @@ def _take(ckey, cslot, m, r, o, CB: tl.constexpr):
 
 
 @triton.jit
+def _select_in_registers(row, n, topk, o, pages, PAGE: tl.constexpr, REGS: tl.constexpr):
+    """The top-k of a row of topk < n <= REGS keys loaded once: four 8-bit rounds on the registers
+    fix the k-th key (the keys above it are marked as the rounds go), then one scan writes the slots
+    of those above and of the first ties, in position order."""
+    i = tl.arange(0, REGS)
+    ok = i < n
+    uk = _ukey(row + i, ok)
+    match = ok  # keys that share the bits fixed so far
+    above = i < 0
+    r = topk + n * 0
+    for rnd in tl.static_range(4):
+        d = (uk >> (24 - 8 * rnd)) & 255
+        dig, r, _ = _digit(tl.histogram(d, 256, mask=match), r, 256)
+        above = above | (match & (d > dig))
+        match = match & (d == dig)
+    take = above | (match & (tl.cumsum(match.to(tl.int32), 0) <= r))
+    tl.store(o + tl.cumsum(take.to(tl.int32), 0) - 1, _slot(pages, i, take, PAGE), mask=take)
+
+
+@triton.jit
 def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, topk, chunk,
-                       PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
-                       SPLITS: tl.constexpr, SP: tl.constexpr, COUNT: tl.constexpr):
+                       regs_max, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
+                       SPLITS: tl.constexpr, SP: tl.constexpr, COUNT: tl.constexpr, REGS: tl.constexpr):
     """Program (b, p): positions [p * chunk, (p + 1) * chunk) of request b. With SPLITS > 1 the
     programs of a request meet at a barrier after each round (every program sums the round's
     histograms, hist [B, rounds, SPLITS, 2^DB] int32, so all take the same digit) and after the
     compaction, where program 0 waits and finishes the request. COUNT > 0: the row rounds count by
-    atomics (``_count``) into this part's slices of hist, zeroed here first."""
+    atomics (``_count``) into this part's slices of hist, zeroed here first. REGS = regs_max > 0
+    (SPLITS 1): a row of at most REGS keys is selected in registers (``_select_in_registers``);
+    0: never (the branch is not compiled)."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     n = tl.load(lens + b)
@@ -222,12 +244,15 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
     pages = indices + tl.load(indptr + b)
     NB: tl.constexpr = 1 << DB
     ROUNDS: tl.constexpr = 16 // DB
+    if REGS > 0:  # compiled only when asked for
+        if (n > topk) & (n <= regs_max):
+            _select_in_registers(logits + b * stride_l, n, topk, o, pages, PAGE, REGS)
     if n <= topk:
         if p == 0:
             for s in range(0, topk, BLOCK):
                 j = s + tl.arange(0, BLOCK)
                 tl.store(o + j, tl.where(j < n, _slot(pages, j, j < n, PAGE), -1), mask=j < topk)
-    elif p * chunk < n:
+    elif (p * chunk < n) & (n > regs_max):
         row = logits + b * stride_l
         n_prog = tl.cdiv(n, chunk)  # programs with a part of this row; the others have left
         p0 = p * chunk
@@ -318,7 +343,7 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
-               count: str | None = None, sample: int = 0) -> torch.Tensor:
+               count: str | None = None, sample: int = 0, regs: int = 0) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits.
 
     Parameters
@@ -338,6 +363,8 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         sampled from that many of its logits (``labkit.kernels.topk_prefilter``: one pass, exact),
         then select among them, one program a request (``splits`` None or 1, ``count`` None or
         "histogram"). A second launch and 8 * B * max_len bytes more scratch.
+    regs : 0, or a power of two 16..8192 (with splits 1): a row of at most that many keys is loaded
+        once and selected in registers (four rounds, one scan) instead of by passes over memory.
 
     Returns
     -------
@@ -374,7 +401,13 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
                                                   block=block, num_warps=num_warps)
         return topk_select(crow, cnt, starts, cslot.view(-1), 1, topk, splits=1,
                            block=block, cand_block=cand_block, digit_bits=digit_bits, num_warps=num_warps,
-                           count="histogram")
+                           count="histogram", regs=regs)
+    if regs and (isinstance(regs, bool) or not isinstance(regs, int) or not 16 <= regs <= 8192 or regs & (regs - 1)):
+        raise ValueError(f"regs={regs!r}: must be 0 or a power of two in 16..8192")
+    if regs and splits not in (None, 1):
+        raise ValueError(f"regs={regs} selects a short row in one program; got splits={splits!r} (allowed: None or 1)")
+    if regs:
+        splits = 1
     if count is None:
         count = default_count(B)
     if count not in COUNTS:
@@ -402,6 +435,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
     _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
-                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
-                                    SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, num_warps=num_warps)
+                                    hist, bar, topk, chunk, regs, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
+                                    SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs,
+                                    num_warps=num_warps)
     return out

@@ -206,6 +206,7 @@ class SampleTable:
 
 
 CAND_SAMPLE = 1024  # logits sampled per request for the candidates' threshold
+CAND_REGS = 4096  # candidates selected in registers up to this many a request (about 1.3 topk at 2048)
 
 
 def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE, run: int = 1) -> SampleTable:
@@ -250,13 +251,15 @@ def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: 
                           **select) -> torch.Tensor:
     """Slots int32 [B, index_topk] (as ``select_tokens``) from ``logits_with_candidates``' output: the
     fallback of every request whose candidates fell short (its whole row, in context order), then the
-    radix select over the candidates, one program a request. Two launches; exact. ``select``:
-    ``topk_select``'s tuning (block, cand_block, digit_bits, num_warps)."""
+    radix select over the candidates, one program a request, in registers where they are at most
+    ``CAND_REGS`` (``topk_select``'s regs). Two launches; exact. ``select``: ``topk_select``'s
+    tuning (block, cand_block, digit_bits, num_warps, regs)."""
     from .kernels.topk_prefilter import finish_candidates
     from .kernels.topk_select import topk_select
 
     crow, cslot, count, starts = finish_candidates(logits, batch.kv_lens, batch.kv_indptr, batch.kv_indices,
                                                    batch.page_size, index_topk, *candidates)
+    select = {"regs": CAND_REGS, **select}
     return topk_select(crow, count, starts, cslot.view(-1), 1, index_topk, splits=1, count="histogram", **select)
 
 

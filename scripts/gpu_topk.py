@@ -61,6 +61,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     # the select over the candidates (one program a request, latency-bound: 15.8 us at 64 x 32K, run 20)
     "cand1k_w16": dict(cand=1024, num_warps=16), "cand1k_w4": dict(cand=1024, num_warps=4),
     "cand1k_b2k": dict(cand=1024, block=2048), "cand1k_db4": dict(cand=1024, digit_bits=4),
+    "cand1k_regs0": dict(cand=1024, regs=0), "cand1k_regs8k": dict(cand=1024, regs=8192),
+    "cand1k_regs8k_w16": dict(cand=1024, regs=8192, num_warps=16),
+    "sample2k_regs": dict(sample=2048, regs=4096),  # the prefilter's candidates in registers
 }
 
 

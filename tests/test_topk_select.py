@@ -87,6 +87,20 @@ def test_topk_matches_sorting(digit_bits, cand_block, count, poisoned_ints):
     _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
 
 
+@pytest.mark.parametrize("regs", [1024, 512])
+def test_rows_selected_in_registers(regs, poisoned_ints):
+    """regs: rows of at most that many keys are selected in registers, longer ones by the passes
+    (700 > 512), in one launch; every kind of row, and many keys tied at the k-th."""
+    T, topk, page_size = 700, 48, 16
+    lens = [700, 650, 49, 400, 300, 690, 500, 48]
+    x = _rows(T, torch.Generator().manual_seed(regs))
+    x[0, 200:260] = x[0].sort(descending=True).values[40]  # 60 ties around the k-th
+    indptr, indices = _table(lens, page_size, seed=regs)
+    slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
+                        block=128, cand_block=64, regs=regs)
+    _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
+
+
 def test_short_and_edge_lengths(poisoned_ints):
     """Lengths 0, 1, topk (short: in order, then -1), topk + 1, and topk = 1; page size 1."""
     T, topk = 40, 17
@@ -261,6 +275,8 @@ def test_bad_arguments():
         (dict(sample=24), "sample=24: must be 0 or a power of two in 16..8192"),
         (dict(sample=16384), "sample=16384: must be 0 or a power of two"),
         (dict(sample=64, count="atomic"), r"sample=64 selects .* got splits=None, count='atomic'"),
+        (dict(regs=100), "regs=100: must be 0 or a power of two in 16..8192"),
+        (dict(regs=64, splits=2), r"regs=64 selects a short row in one program; got splits=2"),
     ]
     for change, msg in cases:
         args = dict(logits=x, kv_lens=lens, kv_indptr=indptr, kv_indices=indices, page_size=8, topk=4)
@@ -287,7 +303,8 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
     x[4] = x[4].round()  # ties
     x[5, ::3] = -math.inf
     for kw in (dict(splits=1, count="histogram"), dict(splits=2, count="histogram"), dict(count="histogram"),
-               dict(splits=1, count="atomic"), dict(count="atomic"), dict(sample=2048), dict(sample=256)):
+               dict(splits=1, count="atomic"), dict(count="atomic"), dict(sample=2048), dict(sample=256),
+               dict(regs=4096), dict(sample=2048, regs=4096)):
         got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
