@@ -2,8 +2,9 @@
 """The parts of the indexer's logits + top-k with the candidates from the logits kernel
 (labkit.indexer.logits_with_candidates, slots_from_candidates), each timed alone by CUDA-graph
 replays over 4 rotating layers (labkit.timing.graph_times), beside the plain logits kernel:
-sampled logits, threshold, logits with candidates, the fallback check, the radix select over the
-candidates, and the first three together. One line of figures per shape (us a layer) and the
+sampled logits, threshold, logits with candidates, the fallback check, the select over the
+candidates (in registers, as slots_from_candidates does it, and by passes over memory), and the
+first three together. One line of figures per shape (us a layer) and the
 first requests' candidate counts.
 
     PYTHONPATH=$PWD python3 scripts/gpu_cand_parts.py [--shapes 64x32768] [--sample 1024] [--runs 1 64]
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 
 import gpu_topk  # noqa: E402
 from labkit import config, timing  # noqa: E402
-from labkit.indexer import logits_with_candidates, sample_table  # noqa: E402
+from labkit.indexer import CAND_REGS, logits_with_candidates, sample_table  # noqa: E402
 from labkit.kernels.index_logits import index_logits  # noqa: E402
 from labkit.kernels.topk_prefilter import finish_candidates, sample_threshold  # noqa: E402
 from labkit.kernels.topk_select import topk_select  # noqa: E402
@@ -56,7 +57,9 @@ def parts(cfg, B: int, ctx: int, sample: int, run: int) -> dict:
     row.update(sampled_us=us(sampled), threshold_us=us(lambda i: sample_threshold(S[i], b.kv_lens, topk)),
                logits_cand_us=us(with_cand), logits_us=us(c.index), finish_us=us(fin),
                select_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk, splits=1,
-                                                  count="histogram")),
+                                                  count="histogram", regs=CAND_REGS)),
+               select_passes_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk,
+                                                         splits=1, count="histogram")),
                with_cand_us=us(lambda i: logits_with_candidates(c.q_idx[i], c.weights[i], c.cache, i, b, topk, t)))
     return row
 
