@@ -64,6 +64,10 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "cand1k_regs0": dict(cand=1024, regs=0), "cand1k_regs8k": dict(cand=1024, regs=8192),
     "cand1k_regs8k_w16": dict(cand=1024, regs=8192, num_warps=16),
     "sample2k_regs": dict(sample=2048, regs=4096),  # the prefilter's candidates in registers
+    # the logits kernel alone (81% of copy at 64 x 32K on the H200, run 10): tiles, stages, warps
+    "lg_bt128": dict(logits=dict(block_t=128)), "lg_s3": dict(logits=dict(num_stages=3)),
+    "lg_w8": dict(logits=dict(num_warps=8)), "lg_bt128_w8": dict(logits=dict(block_t=128, num_warps=8)),
+    "lg_t4": dict(logits=dict(tiles=4)), "lg_t16_s3": dict(logits=dict(tiles=16, num_stages=3)),
 }
 
 
@@ -88,8 +92,8 @@ class Case:
         self.logits = [self.index(layer) for layer in range(layers)]
         self.tables = {}
 
-    def index(self, layer: int) -> torch.Tensor:
-        return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch)
+    def index(self, layer: int, **tuning) -> torch.Tensor:
+        return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, **tuning)
 
     def triton_topk(self, logits, **kw) -> torch.Tensor:
         b = self.batch
@@ -172,6 +176,12 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
     for name, kw in tunings.items():
         r = dict(batch=B, context=ctx, topk=cfg.index_topk, tuning=name, kwargs=json.dumps(kw), requests=B)
         try:
+            if "logits" in kw:  # the logits kernel alone, with this tuning (checked against the default's)
+                tk = kw["logits"]
+                r["agree"] = B if torch.allclose(case.index(0, **tk), L[0], rtol=1e-4, atol=1e-6) else 0
+                r["logits_us"] = graph_us(lambda i: case.index(i, **tk), a)
+                rows.append(r)
+                continue
             if "cand" in kw:  # logits + top-k with the candidates from the logits kernel
                 run, sel = kw.get("run", 1), {k: v for k, v in kw.items() if k not in ("cand", "run")}
                 r["agree"] = agreement(case, case.candidates(0, kw["cand"], run, sel), L[0])
