@@ -177,10 +177,11 @@ def test_topk_sets_match_reference(page_size):
             _assert_topk_equiv(slots, ref, ix.batch, topk, tol)
 
 
-@pytest.mark.parametrize("page_size,sample,run", [(1, 16, 1), (16, 32, 1), (64, 64, 1), (16, 64, 16)])
-def test_logits_and_slots_from_candidates(page_size, sample, run):
+@pytest.mark.parametrize("page_size,sample,run,tiles", [(1, 16, 1, 1), (16, 32, 1, 4), (64, 64, 1, 3), (16, 64, 16, 2)])
+def test_logits_and_slots_from_candidates(page_size, sample, run, tiles):
     """The logits kernel's candidates (a threshold sampled per request) give the same logits and a
-    top-k of the reference; short rows keep context order; the candidates are few on long rows."""
+    top-k of the reference; short rows keep context order; a program of several tiles stages its
+    candidates across them before its copy."""
     topk = 32
     lens = [5, 32, 33, 200, 700, 1]
     ix = _case(page_size, lens, seed=40 + page_size, topk=topk)
@@ -189,7 +190,8 @@ def test_logits_and_slots_from_candidates(page_size, sample, run):
     for layer in range(ix.num_layers):
         ref = ix.logits(layer, "reference")
         bound = _bound(ix, layer)
-        logits, slots = logits_and_slots(ix.q_idx[layer], ix.weights[layer], ix.cache, layer, ix.batch, topk, table)
+        logits, slots = logits_and_slots(ix.q_idx[layer], ix.weights[layer], ix.cache, layer, ix.batch, topk, table,
+                                         tiles=tiles)
         _check_logits(logits, ref, bound)
         assert slots.dtype == torch.int32 and tuple(slots.shape) == (len(lens), topk)
         _assert_topk_equiv(slots, ref, ix.batch, topk, 2 * bound.amax(1))
@@ -241,7 +243,7 @@ def test_candidates_threshold_keeps_few_and_falls_back():
         crow = torch.full((2, n), float("nan"))
         cslot = torch.full((2, n), -7, dtype=torch.int32)
         logits = index_logits(*args, b_.kv_indptr, b_.kv_indices, b_.kv_lens, 16, n,
-                              candidates=(t16, crow, cslot, count))
+                              candidates=(t16, crow, cslot, count), tiles=4)  # a program stages 4 tiles
         bits = logits[0].view(torch.int32)  # no -0.0 or NaN here: the key by its definition
         kept = (((bits ^ ((bits >> 31) | -2**31)) >> 16) & 0xFFFF) >= t16[0]
         if forced is None:
