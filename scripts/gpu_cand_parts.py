@@ -30,9 +30,10 @@ from labkit.kernels.topk_select import topk_select  # noqa: E402
 LAYERS = 4
 
 
-def parts(cfg, B: int, ctx: int, sample: int, run: int) -> dict:
-    c = gpu_topk.Case(cfg, B, ctx, LAYERS, "cuda")
-    b, topk, t = c.batch, cfg.index_topk, sample_table(c.batch, sample, run)
+def parts(c: gpu_topk.Case, sample: int, run: int) -> dict:
+    """The row of one shape (``c``: gpu_topk's case) at one sample size and run length."""
+    b, topk, t = c.batch, c.topk, sample_table(c.batch, sample, run)
+    B, ctx = b.batch_size, b.max_len
     us = lambda fn: timing.graph_times(fn, range(LAYERS), replays=20, warmup=2).us  # noqa: E731
     args = lambda i: (c.q_idx[i], c.weights[i], c.cache.k_idx(i), c.cache.k_scale(i))  # noqa: E731
 
@@ -74,8 +75,9 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__)
     for s in a.shapes:
         B, ctx = (int(v) for v in s.split("x"))
+        case = gpu_topk.Case(cfg, B, ctx, LAYERS, "cuda")
         for run in a.runs:
-            r = parts(cfg, B, ctx, a.sample, run)
+            r = parts(case, a.sample, run)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 
 
