@@ -299,6 +299,9 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
     topk_impl = default_topk_impl(logits.device, batch.max_len, batch.batch_size) if topk_impl is None else topk_impl
+    if topk_impl == "candidates":
+        raise ValueError("topk_impl='candidates' needs the logits kernel, not finished logits: use "
+                         "Indexer.topk(layer, 'triton', topk_impl='candidates') or logits_and_slots")
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
     if topk_impl == "triton":

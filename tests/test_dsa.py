@@ -138,6 +138,8 @@ def test_step_with_the_logits_kernels_candidates():
     plan = b.plan(dl.lab.pool, dl.sparse, dl.lab.q_nope.shape[1], dl.lab.sm_scale)
     out = dsa.sparse_layer(dl, plan, 0, 0)
     slots = dl.indexer.topk(0, "triton", topk_impl="candidates")  # validated by check_slots
+    with pytest.raises(ValueError, match="topk_impl='candidates' needs impl='triton'"):
+        dl.indexer.topk(0, "torch", topk_impl="candidates")
     ref_logits = dl.indexer.logits(0, "reference")
     kth = ref_logits[1].topk(128).values[-1]
     picked = ref_logits[1, positions_of(dl.indexer.batch, slots)[1]]

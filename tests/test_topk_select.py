@@ -257,6 +257,8 @@ def test_bad_arguments():
     batch = kvpool.DecodeBatch(indptr, indices, lens.clone(), lens, 8)
     with pytest.raises(ValueError, match=r"topk_impl='cuda'; allowed: \['torch', 'triton'\] or None"):
         select_tokens(x, batch, 4, topk_impl="cuda")
+    with pytest.raises(ValueError, match=r"topk_impl='candidates' needs the logits kernel"):
+        select_tokens(x, batch, 4, topk_impl="candidates")
     with pytest.raises(ValueError, match=r"logits has shape \(2, 7\); the batch needs \(2, >= 8\)"):
         select_tokens(x[:, :7], batch, 4, topk_impl="triton")
     cases = [
