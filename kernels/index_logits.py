@@ -36,6 +36,17 @@ INDEX_PAGE = 64  # tokens per index-key page
 
 
 @triton.jit
+def _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE: tl.constexpr, D: tl.constexpr):
+    """Logits [BLOCK_T] f32 of the tokens ``tok`` [BLOCK_T] (global ids) for the query q_t [D, H_PAD]
+    fp8 and head weights w [H_PAD] f32: one FP8 dot over the heads, relu, weighted sum, key scale."""
+    ip, row = tok // IPAGE, tok % IPAGE
+    k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + tl.arange(0, D)[None, :])  # [BLOCK_T, D] fp8
+    scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
+    s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
+    return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+
+
+@triton.jit
 def _index_logits_kernel(
     q_ptr,  # *fp8e4nv [B, H_PAD, D], contiguous; heads >= H are zero
     w_ptr,  # *f32 [B, H_PAD], contiguous; heads >= H are zero
@@ -86,11 +97,7 @@ def _index_logits_kernel(
         pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
         page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
         tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
-        ip, row = tok // IPAGE, tok % IPAGE
-        k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + d[None, :])  # [BLOCK_T, D] fp8
-        scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
-        s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
-        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+        logit = _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE, D)
         logit = tl.where(pos < n, logit, float("-inf"))
         tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
         if CAND:
@@ -173,14 +180,7 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         _check(name, t, torch.int32, 1)
     h_pad = max(16, triton.next_power_of_2(H))  # tl.dot needs N >= 16
-    if h_pad == H:  # GLM-5's 32 heads: the query as given (no padding: two fewer launches, four in a graph)
-        q, w = q_idx.contiguous(), weights.contiguous()
-    else:
-        q = torch.zeros(B, h_pad, D, dtype=torch.uint8, device=q_idx.device)  # zero bytes = +0.0 in e4m3
-        q[:, :H] = q_idx.view(torch.uint8)
-        q = q.view(torch.float8_e4m3fn)
-        w = torch.zeros(B, h_pad, dtype=torch.float32, device=q_idx.device)
-        w[:, :H] = weights
+    q, w = pad_heads(q_idx, weights)
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:
         return out
@@ -198,6 +198,21 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
         CAND=candidates is not None, COPY=triton.next_power_of_2(tiles * block_t), num_warps=num_warps,
     )
     return out
+
+
+def pad_heads(q_idx, weights):
+    """q_idx [B, H, D] fp8 and weights [B, H] with the heads zero-padded to H_PAD = max(16, the next
+    power of two) (``tl.dot`` needs N >= 16); as given, contiguous, at GLM-5's 32 heads (two fewer
+    launches, four in a graph)."""
+    B, H, D = q_idx.shape
+    h_pad = max(16, triton.next_power_of_2(H))
+    if h_pad == H:
+        return q_idx.contiguous(), weights.contiguous()
+    q = torch.zeros(B, h_pad, D, dtype=torch.uint8, device=q_idx.device)  # zero bytes = +0.0 in e4m3
+    q[:, :H] = q_idx.view(torch.uint8)
+    w = torch.zeros(B, h_pad, dtype=torch.float32, device=q_idx.device)
+    w[:, :H] = weights
+    return q.view(torch.float8_e4m3fn), w
 
 
 def _check_candidates(candidates, B: int, max_len: int, placeholder) -> tuple:

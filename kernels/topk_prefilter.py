@@ -29,11 +29,16 @@ from .topk_select import _digit, _key, _slot
 
 
 @triton.jit
-def _sample_prefix(row, n, S, rs, SAMPLE: tl.constexpr):
-    """Top 16 bits (0..65535) of the rs-th largest key among row[j * n // S], j < S (1 <= rs <= S)."""
+def _sample_prefix(row, n, S, rs, SAMPLE: tl.constexpr, CG: tl.constexpr = False):
+    """Top 16 bits (0..65535) of the rs-th largest key among row[j * n // S], j < S (1 <= rs <= S).
+    CG: read from L2 (stored by other programs)."""
     j = tl.arange(0, SAMPLE)
     ok = j < S
-    uk = _key(tl.load(row + j.to(tl.int64) * n // S, mask=ok, other=float("-inf")))
+    if CG:
+        x = tl.load(row + j.to(tl.int64) * n // S, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    else:
+        x = tl.load(row + j.to(tl.int64) * n // S, mask=ok, other=float("-inf"))
+    uk = _key(x)
     hi = (uk >> 24) & 255
     d1, r1, _ = _digit(tl.histogram(hi, 256, mask=ok), rs, 256)
     d2, _, _ = _digit(tl.histogram((uk >> 16) & 255, 256, mask=ok & (hi == d1)), r1, 256)

@@ -225,23 +225,22 @@ def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE, run: int = 1) ->
 def logits_with_candidates(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
                            table: SampleTable, **tuning) -> tuple[torch.Tensor, tuple]:
     """The logits (as ``logits_triton``) and, appended by the same kernel, each request's top-k
-    candidates: the logits at ``table``'s sampled positions give each request a threshold, and the
-    logits kernel appends those at or above it (about 1.3 index_topk a request) to scratch as it
-    writes the row. Three launches. Returns (logits float32 [B, max_len], candidates), the latter
+    candidates: the logits at ``table``'s sampled positions give each request a threshold (one
+    launch, ``kernels.index_sample``), and the logits kernel keeps those at or above it (about 1.3
+    index_topk a request) as it writes the row. Two launches. Returns (logits float32 [B, max_len], candidates), the latter
     for ``slots_from_candidates``. ``tuning``: index_logits'."""
     from .kernels.index_logits import index_logits
-    from .kernels.topk_prefilter import sample_threshold
+    from .kernels.index_sample import index_sample_threshold
 
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
     if table.kv_lens.shape[0] != batch.batch_size:
         raise ValueError(f"table has {table.kv_lens.shape[0]} requests; the batch has {batch.batch_size}")
     k, ks, B, T = cache.k_idx(layer), cache.k_scale(layer), batch.batch_size, batch.max_len
-    sampled = index_logits(q_idx, weights, k, ks, table.kv_indptr, table.kv_indices, table.kv_lens, 1,
-                           table.sample, block_t=16 if table.sample < 64 else 64)
-    t16, count = sample_threshold(sampled, batch.kv_lens, index_topk)
-    crow = torch.empty(B, T, dtype=torch.float32, device=sampled.device)
-    cslot = torch.empty(B, T, dtype=torch.int32, device=sampled.device)
+    _, t16, count = index_sample_threshold(q_idx, weights, k, ks, table.kv_indices, batch.kv_lens, table.sample,
+                                           index_topk)
+    crow = torch.empty(B, T, dtype=torch.float32, device=t16.device)
+    cslot = torch.empty(B, T, dtype=torch.int32, device=t16.device)
     logits = index_logits(q_idx, weights, k, ks, batch.kv_indptr, batch.kv_indices, batch.kv_lens, batch.page_size,
                           T, candidates=(t16, crow, cslot, count), **tuning)
     return logits, (crow, cslot, count)
@@ -266,7 +265,7 @@ def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: 
 def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: DecodeBatch, index_topk: int,
                      table: SampleTable, select: dict | None = None, **tuning) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits_with_candidates`` (``tuning``) then ``slots_from_candidates`` (``select``): (logits
-    [B, max_len] float32, slots [B, index_topk] int32), five launches, exact (a request whose sample
+    [B, max_len] float32, slots [B, index_topk] int32), four launches, exact (a request whose sample
     misses keeps its row)."""
     logits, cand = logits_with_candidates(q_idx, weights, cache, layer, batch, index_topk, table, **tuning)
     return logits, slots_from_candidates(logits, batch, index_topk, cand, **(select or {}))

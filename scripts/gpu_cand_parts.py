@@ -2,7 +2,8 @@
 """The parts of the indexer's logits + top-k with the candidates from the logits kernel
 (labkit.indexer.logits_with_candidates, slots_from_candidates), each timed alone by CUDA-graph
 replays over 4 rotating layers (labkit.timing.graph_times), beside the plain logits kernel:
-sampled logits, threshold, logits with candidates, the fallback check, the select over the
+sampled logits and threshold (apart, and in one launch as logits_with_candidates makes them:
+kernels/index_sample.py), logits with candidates, the fallback check, the select over the
 candidates (in registers, as slots_from_candidates does it, and by passes over memory), and the
 first three together. One line of figures per shape (us a layer) and the
 first requests' candidate counts.
@@ -24,6 +25,7 @@ import gpu_topk  # noqa: E402
 from labkit import config, timing  # noqa: E402
 from labkit.indexer import CAND_REGS, logits_with_candidates, sample_table  # noqa: E402
 from labkit.kernels.index_logits import index_logits  # noqa: E402
+from labkit.kernels.index_sample import index_sample_threshold  # noqa: E402
 from labkit.kernels.topk_prefilter import finish_candidates, sample_threshold  # noqa: E402
 from labkit.kernels.topk_select import topk_select  # noqa: E402
 
@@ -55,7 +57,9 @@ def parts(c: gpu_topk.Case, sample: int, run: int) -> dict:
     fin = lambda i: finish_candidates(lc[i][0], b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, topk, *lc[i][1])  # noqa: E731
     F = [fin(i) for i in range(LAYERS)]
     row = dict(batch=B, context=ctx, sample=sample, run=run, counts=lc[0][1][2][:8].tolist())
+    fused = lambda i: index_sample_threshold(*args(i), t.kv_indices, b.kv_lens, sample, topk)  # noqa: E731
     row.update(sampled_us=us(sampled), threshold_us=us(lambda i: sample_threshold(S[i], b.kv_lens, topk)),
+               sampled_threshold_us=us(fused),
                logits_cand_us=us(with_cand), logits_us=us(c.index), finish_us=us(fin),
                select_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk, splits=1,
                                                   count="histogram", regs=CAND_REGS)),

@@ -223,6 +223,28 @@ def test_sample_positions_spread_over_the_context(run):
         sample_positions(torch.tensor([100], dtype=torch.int32), 64, 3)
 
 
+@pytest.mark.parametrize("block_t", [16, 64])
+def test_sampled_threshold_in_one_launch_equals_two(block_t):
+    """kernels.index_sample (the sampled logits, then the last program of a request writes the
+    threshold) against index_logits over the same table and sample_threshold: the same logits and
+    thresholds (a short request's 65536 too), counts zeroed, the arrival counts back at zero."""
+    from labkit.kernels import topk_select as ts
+    from labkit.kernels.index_sample import index_sample_threshold
+    from labkit.kernels.topk_prefilter import sample_threshold
+
+    topk, sample = 32, 64
+    ix = _case(16, [1000, 20, 64, 300], seed=9, topk=topk)
+    b_, table = ix.batch, sample_table(ix.batch, sample, 4)
+    args = (ix.q_idx[1], ix.weights[1], ix.cache.k_idx(1), ix.cache.k_scale(1))
+    want = index_logits(*args, table.kv_indptr, table.kv_indices, table.kv_lens, 1, sample)
+    want_t16, _ = sample_threshold(want, b_.kv_lens, topk)
+    ts._BARRIERS.pop(torch.device("cpu"), None)
+    sampled, t16, count = index_sample_threshold(*args, table.kv_indices, b_.kv_lens, sample, topk, block_t=block_t)
+    _check_logits(sampled, want.double(), torch.zeros_like(want, dtype=torch.float64))
+    assert t16.tolist() == want_t16.tolist() and t16[1] == 65536 and 0 < t16[0] < 65536
+    assert count.tolist() == [0] * 4 and not ts._barriers(torch.device("cpu"), 4).any()
+
+
 def test_candidates_threshold_keeps_few_and_falls_back():
     """The candidates of a long row are its logits at or above the sampled threshold (fewer than
     the row, at least topk); a threshold of 65536 keeps none and the fallback then keeps the whole
