@@ -223,26 +223,31 @@ def test_sample_positions_spread_over_the_context(run):
         sample_positions(torch.tensor([100], dtype=torch.int32), 64, 3)
 
 
-@pytest.mark.parametrize("block_t", [16, 64])
-def test_sampled_threshold_in_one_launch_equals_two(block_t):
-    """kernels.index_sample (the sampled logits, then the last program of a request writes the
-    threshold) against index_logits over the same table and sample_threshold: the same logits and
-    thresholds (a short request's 65536 too), counts zeroed, the arrival counts back at zero."""
+def _one_launch_threshold_equals_two(ix, table, topk, layer=0, block_t=64):
+    """kernels.index_sample against index_logits over the same table and sample_threshold: the same
+    logits and thresholds, counts zeroed, the arrival counts back at zero. Returns the thresholds."""
     from labkit.kernels import topk_select as ts
     from labkit.kernels.index_sample import index_sample_threshold
     from labkit.kernels.topk_prefilter import sample_threshold
 
-    topk, sample = 32, 64
-    ix = _case(16, [1000, 20, 64, 300], seed=9, topk=topk)
-    b_, table = ix.batch, sample_table(ix.batch, sample, 4)
-    args = (ix.q_idx[1], ix.weights[1], ix.cache.k_idx(1), ix.cache.k_scale(1))
-    want = index_logits(*args, table.kv_indptr, table.kv_indices, table.kv_lens, 1, sample)
+    b_, dev = ix.batch, ix.q_idx.device
+    args = (ix.q_idx[layer], ix.weights[layer], ix.cache.k_idx(layer), ix.cache.k_scale(layer))
+    want = index_logits(*args, table.kv_indptr, table.kv_indices, table.kv_lens, 1, table.sample, block_t=block_t)
     want_t16, _ = sample_threshold(want, b_.kv_lens, topk)
-    ts._BARRIERS.pop(torch.device("cpu"), None)
-    sampled, t16, count = index_sample_threshold(*args, table.kv_indices, b_.kv_lens, sample, topk, block_t=block_t)
-    _check_logits(sampled, want.double(), torch.zeros_like(want, dtype=torch.float64))
-    assert t16.tolist() == want_t16.tolist() and t16[1] == 65536 and 0 < t16[0] < 65536
-    assert count.tolist() == [0] * 4 and not ts._barriers(torch.device("cpu"), 4).any()
+    sampled, t16, count = index_sample_threshold(*args, table.kv_indices, b_.kv_lens, table.sample, topk,
+                                                 block_t=block_t)
+    assert torch.equal(sampled, want) and torch.equal(t16, want_t16)
+    assert not count.any() and not ts._barriers(dev, b_.batch_size).any()
+    return t16
+
+
+@pytest.mark.parametrize("block_t", [16, 64])
+def test_sampled_threshold_in_one_launch_equals_two(block_t):
+    """kernels.index_sample (the sampled logits, then the last program of a request writes the
+    threshold) equals the two launches; a short request gets 65536 (none kept)."""
+    ix = _case(16, [1000, 20, 64, 300], seed=9, topk=32)
+    t16 = _one_launch_threshold_equals_two(ix, sample_table(ix.batch, 64, 4), 32, layer=1, block_t=block_t)
+    assert t16[1] == 65536 and 0 < t16[0] < 65536
 
 
 def test_candidates_threshold_keeps_few_and_falls_back():
@@ -399,6 +404,7 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
     for sample in (256, 1024):  # the top-k's candidates from the logits kernel, eager and from a graph
         table = sample_table(b, sample)
         args = (ix.q_idx[0], ix.weights[0], ix.cache, 0, b, cfg.index_topk, table)
+        _one_launch_threshold_equals_two(ix, table, cfg.index_topk)
         logits, slots = logits_and_slots(*args, block_t=block_t)
         _check_logits(logits.cpu(), ref, bound)
         _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
