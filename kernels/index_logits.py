@@ -22,7 +22,8 @@ request) instead of the whole row.
 
 Bytes moved per context token: D + 4 read (132 for D = 128), 4 B of page table per page_size
 tokens, 4 written; q and weights once per program; with candidates 16 B more a candidate (staged,
-then copied) and one atomic a program. FLOPs: 2 * H * D per token (+ 3 * H for the relu and the weighting).
+then copied) and one atomic a program. FLOPs: 2 * H * D per token (+ 3 * H for the relu and the
+weighting).
 """
 from __future__ import annotations
 
@@ -179,8 +180,7 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
         raise ValueError(f"block_t={block_t}: must be a power of two >= 16")
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         _check(name, t, torch.int32, 1)
-    h_pad = max(16, triton.next_power_of_2(H))  # tl.dot needs N >= 16
-    q, w = pad_heads(q_idx, weights)
+    q, w = pad_heads(q_idx, weights)  # tl.dot needs N >= 16
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:
         return out
@@ -194,7 +194,7 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     _index_logits_kernel[grid](
         q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
         k_idx.stride(0), k_scale.stride(0), *cand, *staging, cand[1].stride(0) if candidates is not None else 0,
-        PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=h_pad, BLOCK_T=block_t, TILES=tiles, NUM_STAGES=num_stages,
+        PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=q.shape[1], BLOCK_T=block_t, TILES=tiles, NUM_STAGES=num_stages,
         CAND=candidates is not None, COPY=triton.next_power_of_2(tiles * block_t), num_warps=num_warps,
     )
     return out

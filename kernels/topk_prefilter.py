@@ -100,20 +100,26 @@ def _sample_rank(n, S, topk):
 
 
 @triton.jit
-def _threshold_kernel(sampled, stride_s, lens, t16, count, topk, SAMPLE: tl.constexpr):
-    """Program b: t16[b] from request b's S = min(n, SAMPLE) sampled logits sampled[b, :S] (65536,
-    none kept, when n <= topk: the fallback then keeps every position in order; 0, all kept, when
-    the sample's rank would pass its end), and count[b] = 0 for the logits kernel's atomics."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.load(lens + b)
+def _sampled_threshold(sampled, n, topk, SAMPLE: tl.constexpr, CG: tl.constexpr = False):
+    """t16 of a request of n positions from its S = min(n, SAMPLE) sampled logits sampled[:S]: 65536
+    (none kept) when n <= topk, so that the fallback keeps every position in order; 0 (all kept)
+    when the sample's rank would pass its end. CG: read from L2 (stored by other programs)."""
     t = n * 0 + 65536
     if n > topk:
         S = tl.minimum(n, SAMPLE)
         rs = _sample_rank(n, S, topk)
         t = n * 0
         if rs < S:
-            t = _sample_prefix(sampled + b * stride_s, S, S, rs, SAMPLE)
-    tl.store(t16 + b, t)
+            t = _sample_prefix(sampled, S, S, rs, SAMPLE, CG)
+    return t
+
+
+@triton.jit
+def _threshold_kernel(sampled, stride_s, lens, t16, count, topk, SAMPLE: tl.constexpr):
+    """Program b: t16[b] from request b's sampled logits sampled[b] (``_sampled_threshold``), and
+    count[b] = 0 for the logits kernel's candidates."""
+    b = tl.program_id(0).to(tl.int64)
+    tl.store(t16 + b, _sampled_threshold(sampled + b * stride_s, tl.load(lens + b), topk, SAMPLE))
     tl.store(count + b, 0)
 
 

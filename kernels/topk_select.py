@@ -228,15 +228,15 @@ def _select_in_registers(row, n, topk, o, pages, PAGE: tl.constexpr, REGS: tl.co
 
 @triton.jit
 def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot, stride_c, hist, bar, topk, chunk,
-                       regs_max, PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
+                       PAGE: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, DB: tl.constexpr,
                        SPLITS: tl.constexpr, SP: tl.constexpr, COUNT: tl.constexpr, REGS: tl.constexpr):
     """Program (b, p): positions [p * chunk, (p + 1) * chunk) of request b. With SPLITS > 1 the
     programs of a request meet at a barrier after each round (every program sums the round's
     histograms, hist [B, rounds, SPLITS, 2^DB] int32, so all take the same digit) and after the
     compaction, where program 0 waits and finishes the request. COUNT > 0: the row rounds count by
-    atomics (``_count``) into this part's slices of hist, zeroed here first. REGS = regs_max > 0
-    (SPLITS 1): a row of at most REGS keys is selected in registers (``_select_in_registers``);
-    0: never (the branch is not compiled)."""
+    atomics (``_count``) into this part's slices of hist, zeroed here first. REGS > 0 (SPLITS 1): a
+    row of at most REGS keys is selected in registers (``_select_in_registers``); 0: never (the
+    branch is not compiled)."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     n = tl.load(lens + b)
@@ -245,14 +245,14 @@ def _topk_radix_kernel(logits, stride_l, lens, indptr, indices, out, ckey, cslot
     NB: tl.constexpr = 1 << DB
     ROUNDS: tl.constexpr = 16 // DB
     if REGS > 0:  # compiled only when asked for
-        if (n > topk) & (n <= regs_max):
+        if (n > topk) & (n <= REGS):
             _select_in_registers(logits + b * stride_l, n, topk, o, pages, PAGE, REGS)
     if n <= topk:
         if p == 0:
             for s in range(0, topk, BLOCK):
                 j = s + tl.arange(0, BLOCK)
                 tl.store(o + j, tl.where(j < n, _slot(pages, j, j < n, PAGE), -1), mask=j < topk)
-    elif (p * chunk < n) & (n > regs_max):
+    elif (p * chunk < n) & (n > REGS):
         row = logits + b * stride_l
         n_prog = tl.cdiv(n, chunk)  # programs with a part of this row; the others have left
         p0 = p * chunk
@@ -436,7 +436,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
     _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
-                                    hist, bar, topk, chunk, regs, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
+                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
                                     SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs,
                                     num_warps=num_warps)
     return out

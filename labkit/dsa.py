@@ -181,17 +181,17 @@ def pick(dl: DsaLab, path: str, impl: str | None = None) -> backends.Backend:
 def sparse_layer(dl: DsaLab, plan, layer: int, kv_layer: int) -> torch.Tensor:
     """One DSA layer: the indexer's logits of ``layer`` [B, max_len], its top-k slots [B, topk] int32,
     then sparse MLA over ``kv_layer`` of the plan's pool -> out [B, H, 512] bf16."""
-    lab = dl.lab
-    if dl.topk_impl == "candidates":  # the logits kernel appends the top-k's candidates
-        with record_function("index"):
-            logits, cand = dl.indexer.logits_with_candidates(layer)
-        with record_function("topk"):
-            slots = slots_from_candidates(logits, dl.indexer.batch, dl.topk, cand)
-        return plan.run(lab.q_nope, lab.q_pe, kv_layer, slots)
+    lab, cand = dl.lab, dl.topk_impl == "candidates"  # candidates: kept by the logits kernel
     with record_function("index"):
-        logits = dl.indexer.logits(layer, dl.index_impl)
+        if cand:
+            logits, kept = dl.indexer.logits_with_candidates(layer)
+        else:
+            logits = dl.indexer.logits(layer, dl.index_impl)
     with record_function("topk"):
-        slots = select_tokens(logits, dl.indexer.batch, dl.topk, check=False, topk_impl=dl.topk_impl)
+        if cand:
+            slots = slots_from_candidates(logits, dl.indexer.batch, dl.topk, kept)
+        else:  # checked where tested
+            slots = select_tokens(logits, dl.indexer.batch, dl.topk, check=False, topk_impl=dl.topk_impl)
     return plan.run(lab.q_nope, lab.q_pe, kv_layer, slots)
 
 

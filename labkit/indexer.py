@@ -227,8 +227,8 @@ def logits_with_candidates(q_idx, weights, cache: IndexCache, layer: int, batch:
     """The logits (as ``logits_triton``) and, appended by the same kernel, each request's top-k
     candidates: the logits at ``table``'s sampled positions give each request a threshold (one
     launch, ``kernels.index_sample``), and the logits kernel keeps those at or above it (about 1.3
-    index_topk a request) as it writes the row. Two launches. Returns (logits float32 [B, max_len], candidates), the latter
-    for ``slots_from_candidates``. ``tuning``: index_logits'."""
+    index_topk a request) as it writes the row. Two launches. Returns (logits float32 [B, max_len],
+    candidates), the latter for ``slots_from_candidates``. ``tuning``: index_logits'."""
     from .kernels.index_logits import index_logits
     from .kernels.index_sample import index_sample_threshold
 
