@@ -775,21 +775,27 @@ BLOCK_HS = (16, 32, WIDE_HEADS)  # heads a CTA: one warpgroup of 16 or 32, two w
 # warpgroup; accurate 208 and none against 464; fp8_ds_mla rows 196 and none against 256; 16 heads
 # accurate 167 and none against 112. One CTA an SM (so three stages).
 GPU_CONFIG_TWO_WG = dict(GPU_CONFIG_WIDE)
-# Two warpgroups are the default at 16-32 heads but for dense accurate 16-head blocks (run 18a, H100,
-# gpu_gluon.py, CUDA-graph us, 4 -> 8 warps): fast 32 heads 64 x 8K 139.3 -> 119.0; 16 heads 128 x 8K
-# 246.1 -> 212.5, 32 x 32K 239.4 -> 215.2, 64 x 8K 115.1 -> 113.5, one request 10.6 -> 10.7; sparse
-# top-2048 of 32K, 64 requests: 16 heads 46.7 -> 40.4, 32 heads 74.8 -> 45.7; accurate 32 heads 64 x 8K
-# 257.1 -> 167.6, 16 heads sparse 63.0 -> 52.7; but accurate dense 16 heads 131.6 -> 140.3 (64 x 8K)
-# and 247.3 -> 272.9 (32 x 32K): one warpgroup there (two CTAs an SM hide its spills). fp8_ds_mla rows
-# (run 18b probe, 64 x top-2048 of 32K, 8 -> 4 warps): 16 heads fast 66.3 -> 53.4, accurate 79.8 ->
-# 71.9, but 32 heads fast 73.3 -> 90.4: one warpgroup for 16-head blocks of them.
+# Two warpgroups are the default for 32-head blocks and for sparse accurate 16-head ones (run 18a,
+# H100, gpu_gluon.py, CUDA-graph us, 4 -> 8 warps): fast 32 heads 64 x 8K 139.3 -> 119.0; sparse
+# top-2048 of 32K, 64 requests, 32 heads 74.8 -> 45.7; accurate 32 heads 64 x 8K 257.1 -> 167.6. Run 21
+# (H100, both orders) repeats those and the sparse accurate 16-head one (59.7 -> 54.3), but not run 18a's
+# fast 16-head gains (128 x 8K 246.1 -> 212.5, 32 x 32K 239.4 -> 215.2): whatever gpu_gluon.py timed
+# first after a shape's float64 reference ran up to 16% slow, and 18a timed 4 warps first. Side by side
+# after a discarded timing: 16 heads 128 x 8K 223.0 / 222.5 (4 / 8 warps), 32 x 32K 223.2 / 227.0, 64 x
+# 8K 119.7 / 119.9, sparse 43.8 / 42.0; on the H200 the bench had 16 heads 64 x 8K at 85.6 us with 4
+# warps (17c) and 96.8 with 8 (21a), sparse 34.9 and 39.3, FlashInfer alike in both (147 and 59.5 us).
+# So fast and dense accurate 16-head blocks take one warpgroup (two CTAs an SM). fp8_ds_mla rows (run
+# 18b probe, 64 x top-2048 of 32K, 8 -> 4 warps): 16 heads fast 66.3 -> 53.4, accurate 79.8 -> 71.9,
+# but 32 heads fast 73.3 -> 90.4.
 
 
 def default_warps(block_h: int, precision: str = "fast", sparse: bool = False, ds: bool = False) -> int:
     """Warps a CTA for a ``block_h`` head block when the caller names none (see above)."""
     if block_h == WIDE_HEADS:
         return 8
-    return 4 if block_h == 16 and (ds or (precision == "accurate" and not sparse)) else 8
+    if block_h == 16:
+        return 8 if precision == "accurate" and sparse and not ds else 4
+    return 8
 
 
 def block_config(H: int, block_h: int | None = None, num_warps: int | None = None, precision: str = "fast",
@@ -948,7 +954,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         default where the loop is built (``use_pipeline``: on at 17-32 heads, dense, fast).
     block_h : heads a CTA (16 or 32; 64 on two warpgroups); None: ``block_config``.
     num_warps : 4 or 8 puts a 16- or 32-head block on one or two warpgroups (``GPU_CONFIG_TWO_WG``);
-        None: ``default_warps`` (8, but 4 for 16-head blocks dense accurate or on fp8_ds_mla rows); 8 at 64.
+        None: ``default_warps`` (4 for 16-head blocks but sparse accurate ones on per-tensor rows, else 8).
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps

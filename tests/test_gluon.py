@@ -149,15 +149,16 @@ def test_v_layout_is_the_wgmma_fragment_relabelled():
 
 
 def test_one_request_splits_fill_one_wave(monkeypatch):
-    """On a 132-SM GPU the two-warpgroup configs (one CTA an SM: 64 heads, and 16-32 by default) fill
+    """On a 132-SM GPU the two-warpgroup configs (one CTA an SM: 64 heads, and 32 by default) fill
     the wave with one-tile splits, never more CTAs than SMs; one warpgroup of 16-32 heads keeps 4 tiles
     a split (run 11a: 64 heads 1 x 8K, 128 one-tile splits beat 32 four-tile ones; 128 splits at 128
     heads, two waves, doubled the time)."""
     from labkit.kernels import mla_decode as M
     monkeypatch.setattr(M, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    for heads, kw, want in [(64, {}, 128), (128, {}, 66), (16, {}, 128), (32, {}, 128),
-                            (16, dict(precision="accurate"), 32), (32, dict(num_warps=4), 32)]:
+    for heads, kw, want in [(64, {}, 128), (128, {}, 66), (16, {}, 32), (32, {}, 128),
+                            (16, dict(num_warps=8), 128), (16, dict(precision="accurate"), 32),
+                            (32, dict(num_warps=4), 32)]:
         block_h, _, cfg = G.block_config(heads, **kw)
         hb = -(-heads // block_h)
         got = M.resolve_splits("t", None, 1, hb, None, 8192, G.BLOCK_N, cuda, cfg["ctas_per_sm"], cfg["min_tiles"],
@@ -248,11 +249,13 @@ def test_pipeline_and_block_rules():
     assert not pipe(32, num_stages=1)
     with pytest.raises(ValueError, match="needs num_stages >= 2, got 1"):
         pipe(32, num_stages=1, pipeline=True)
-    # two warpgroups by default (run 18a), but one for dense accurate 16-head blocks
-    assert [G.block_config(h)[:2] for h in (1, 16, 17, 32, 33, 128)] == [(16, 8), (16, 8), (32, 8), (32, 8), (64, 8),
+    # two warpgroups for 32-head blocks (run 18a), one for 16-head ones but sparse accurate (run 21)
+    assert [G.block_config(h)[:2] for h in (1, 16, 17, 32, 33, 128)] == [(16, 4), (16, 4), (32, 8), (32, 8), (64, 8),
                                                                          (64, 8)]
+    assert G.block_config(16, sparse=True)[:2] == (16, 4) and G.block_config(16, sparse=True, ds=True)[:2] == (16, 4)
     acc = [G.block_config(h, precision="accurate", sparse=sp)[:2] for h, sp in ((8, False), (16, True), (32, False))]
     assert acc == [(16, 4), (16, 8), (32, 8)] and G.default_warps(64, "accurate") == 8
+    assert G.block_config(16, precision="accurate", sparse=True, ds=True)[:2] == (16, 4)
     assert not pipe(32, warps=None) and not pipe(17, warps=None)  # the default (two warpgroups) has no pipelined loop
     assert G.block_config(8, block_h=64)[:2] == (64, 8) and G.block_config(64, block_h=32)[:2] == (32, 8)
     assert G.block_config(64, block_h=32, num_warps=4)[:2] == (32, 4)
@@ -314,7 +317,7 @@ def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_path):
-    """Sparse on two warpgroups (64 heads a CTA, and 16 by default): the slots come through the
+    """Sparse on two warpgroups (64 heads a CTA, and 16 accurate by default): the slots come through the
     shared-memory ring (cp.async), so the only global loads left are the query's (16-bit), and nothing
     spills; on one warpgroup the slots come by global loads; the fp8_ds_mla rows' group rescale in shared
     memory leaves no spill either (it held the whole tile in fp16 registers before, 24 bytes of stack at
@@ -323,7 +326,7 @@ def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_
         return _sass_sm90(tmp_path, "--sparse", *args)[0]
 
     for block_h in (64, 16):
-        wide = stats("--block-h", str(block_h), "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]))
+        wide = stats("--block-h", str(block_h), "--stages", str(G.GPU_CONFIG_WIDE["num_stages"]), "--warps", "8")
         loads = {k: v for k, v in wide["ops"].items() if k.startswith("LDG.")}
         assert set(loads) == {"LDG.E.U16"} and wide["stack"] == 0, (block_h, loads, wide["stack"])
         assert wide["ops"].get("LDGSTS.E", 0) > 0  # the slots' copies (4 bytes here: topk's alignment unknown)
