@@ -205,8 +205,14 @@ class SampleTable:
     sample: int
 
 
+# The candidates (topk_impl="candidates") measured on the H200 (run 21a, us a layer, logits + top-k):
+# 64 x 32K 141.8 against 131.4 for the radix top-k after the logits, 1 x 32K 28.7 against 17.7, 64 x
+# 128K 433.1 against 455.4. So they are off by default.
 CAND_SAMPLE = 1024  # logits sampled per request for the candidates' threshold
-CAND_REGS = 4096  # candidates selected in registers up to this many a request (about 1.3 topk at 2048)
+# The select over the candidates: by passes over memory (0), which measured faster than the register
+# select (``topk_select(..., regs=4096)``) at every shape of run 21a: 141.8 / 149.4 us at 64 x 32K,
+# 28.7 / 31.1 at 1 x 32K, 433.1 / 457.3 at 64 x 128K.
+CAND_REGS = 0
 
 
 def sample_table(batch: DecodeBatch, sample: int = CAND_SAMPLE, run: int = 1) -> SampleTable:
@@ -250,9 +256,9 @@ def slots_from_candidates(logits: torch.Tensor, batch: DecodeBatch, index_topk: 
                           **select) -> torch.Tensor:
     """Slots int32 [B, index_topk] (as ``select_tokens``) from ``logits_with_candidates``' output: the
     fallback of every request whose candidates fell short (its whole row, in context order), then the
-    radix select over the candidates, one program a request, in registers where they are at most
-    ``CAND_REGS`` (``topk_select``'s regs). Two launches; exact. ``select``: ``topk_select``'s
-    tuning (block, cand_block, digit_bits, num_warps, regs)."""
+    radix select over the candidates, one program a request (``topk_select``'s ``regs``:
+    ``CAND_REGS``, passes over memory). Two launches; exact. ``select``: ``topk_select``'s tuning
+    (block, cand_block, digit_bits, num_warps, regs)."""
     from .kernels.topk_prefilter import finish_candidates
     from .kernels.topk_select import topk_select
 

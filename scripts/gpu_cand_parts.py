@@ -4,7 +4,7 @@
 replays over 4 rotating layers (labkit.timing.graph_times), beside the plain logits kernel:
 sampled logits and threshold (apart, and in one launch as logits_with_candidates makes them:
 kernels/index_sample.py), logits with candidates, the fallback check, the select over the
-candidates (in registers, as slots_from_candidates does it, and by passes over memory), and the
+candidates (in registers, regs=4096, and by passes over memory as slots_from_candidates does it), and the
 first three together. One line of figures per shape (us a layer) and the
 first requests' candidate counts.
 
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import gpu_topk  # noqa: E402
 from labkit import config, timing  # noqa: E402
-from labkit.indexer import CAND_REGS, logits_with_candidates, sample_table  # noqa: E402
+from labkit.indexer import logits_with_candidates, sample_table  # noqa: E402
 from labkit.kernels.index_logits import index_logits  # noqa: E402
 from labkit.kernels.index_sample import index_sample_threshold  # noqa: E402
 from labkit.kernels.topk_prefilter import finish_candidates, sample_threshold  # noqa: E402
@@ -62,7 +62,7 @@ def parts(c: gpu_topk.Case, sample: int, run: int) -> dict:
                sampled_threshold_us=us(fused),
                logits_cand_us=us(with_cand), logits_us=us(c.index), finish_us=us(fin),
                select_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk, splits=1,
-                                                  count="histogram", regs=CAND_REGS)),
+                                                  count="histogram", regs=4096)),
                select_passes_us=us(lambda i: topk_select(F[i][0], F[i][2], F[i][3], F[i][1].view(-1), 1, topk,
                                                          splits=1, count="histogram")),
                with_cand_us=us(lambda i: logits_with_candidates(c.q_idx[i], c.weights[i], c.cache, i, b, topk, t)))
