@@ -35,6 +35,7 @@ from labkit import config, envinfo, kvpool, timing  # noqa: E402
 from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_and_slots, logits_triton,  # noqa: E402
                             positions_of, quantize_index_keys, quantize_index_query, sample_table, select_tokens,
                             token_ids)
+from labkit.kernels.topk_grid import topk_grid  # noqa: E402
 from labkit.kernels.topk_select import auto_splits, topk_select  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 131072), (128, 32768)]
@@ -71,6 +72,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     # 128-position tiles (run 21 on the H200: 75.9 against 79.8 us at 64 x 32K): their tile count, wider ones
     "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
     "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),
+    # the grid radix select (labkit.kernels.topk_grid: five launches over (tile, request) programs)
+    "grid": dict(grid=4096), "grid_b2k": dict(grid=2048), "grid_b8k": dict(grid=8192),
+    "grid_b1k": dict(grid=1024), "grid_w8": dict(grid=4096, num_warps=8),
 }
 
 
@@ -99,7 +103,12 @@ class Case:
         return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, **tuning)
 
     def triton_topk(self, logits, **kw) -> torch.Tensor:
+        """topk_select with ``kw``; with ``grid=BLOCK`` in them, topk_grid (tiles of BLOCK logits)."""
         b = self.batch
+        if "grid" in kw:
+            kw = dict(kw)
+            return topk_grid(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk,
+                             block=kw.pop("grid"), **kw)
         return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
 
     def candidates(self, layer: int, sample: int, run: int = 1, select: dict | None = None) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""Top-k token selection for the DSA indexer by radix select over a grid of programs: one launch a
+round, no program waiting for another. Triton.
+
+Same contract as ``topk_select`` (slots int32 [B, topk]: global token ids of each request's topk
+largest logits among its first kv_lens[b] positions, in no set order; a request with kv_lens[b] <=
+topk gets all its tokens in context order, then -1; NaN counts as -inf), but a different shape of
+work. ``topk_select`` gives a request one to a few programs that meet at barriers, so at 64
+requests x 32K each of its 128 programs owns an SM and runs its passes at low occupancy (29% of
+issue cycles on the H200, run 12b). Here every launch is a full grid of (request, tile) programs:
+
+1-3. Three rounds fix the k-th largest key, 11 + 11 + 10 bits (``_topk_grid_round_kernel``): each
+   program counts the digits of its tile's keys that share the bits fixed so far (re-derived in
+   its prologue from the request's earlier histograms) and adds them to the request's histogram
+   in global memory: ``tl.histogram`` then one atomic a non-zero bin, or, where the tile holds at
+   most ``FEW`` such keys, one atomic a key.
+4. ``_topk_grid_count_kernel``: each program counts its keys above the k-th key K and equal to it;
+   program 0 of a request stores K and how many of the equal keys to take.
+5. ``_topk_grid_write_kernel``: each program adds up the counts of the request's earlier tiles and
+   writes its slots at those offsets (keys above K first, then the first equal ones in context
+   order: the output does not depend on timing), and zeroes the histograms for the next call, so
+   that a captured graph needs no memset.
+
+Bytes per request of n > topk positions: 4 n read five times (from L2 at GLM-5's sizes: the logits
+kernel has just written them), 4 B a slot written and 4 B of page table read a slot, 8 B of counts
+a tile; 24 KB of histograms a request, made once and kept (``_hists``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .topk_select import _check, _digit, _pow2, _slot, _ukey
+
+NB = 2048  # histogram bins of the first two rounds (11 bits); the third has 1024 (10 bits)
+FEW = 64  # a tile with at most this many keys to count adds them one atomic each
+
+
+@triton.jit
+def _fixed(h, topk, ROUND: tl.constexpr):
+    """The digits fixed by rounds before ``ROUND`` (from the request's histograms at h) as the key's
+    top 11 / 22 bits, and the rank of the k-th key left inside them."""
+    r = topk
+    pre = 0
+    if ROUND >= 1:
+        d1, r, _c = _digit(tl.load(h + tl.arange(0, 2048)), r, 2048)
+        pre = d1
+    if ROUND >= 2:
+        d2, r, _c = _digit(tl.load(h + 2048 + tl.arange(0, 2048)), r, 2048)
+        pre = pre * 2048 + d2
+    return pre, r
+
+
+@triton.jit
+def _kth(h, topk):
+    """The k-th largest key (int32, unsigned order) and how many keys equal to it are taken."""
+    pre, r = _fixed(h, topk, 2)
+    d3, r, _c = _digit(tl.load(h + 4096 + tl.arange(0, 1024)), r, 1024)
+    return (pre << 10) | d3, r
+
+
+@triton.jit
+def _topk_grid_round_kernel(logits, stride_l, lens, hist, topk, ROUND: tl.constexpr, NBR: tl.constexpr,
+                            BLOCK: tl.constexpr, FEW: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.load(lens + b)
+    if (n > topk) & (t * BLOCK < n):
+        h = hist + b * 6144
+        pre, _r = _fixed(h, topk, ROUND)
+        pos = t * BLOCK + tl.arange(0, BLOCK)
+        m = pos < n
+        k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
+        if ROUND == 0:
+            digit = (k >> 21) & 2047
+            ok = m
+        elif ROUND == 1:
+            digit = (k >> 10) & 2047
+            ok = m & (((k >> 21) & 2047) == pre)
+        else:
+            digit = k & 1023
+            ok = m & (((k >> 10) & 0x3FFFFF) == pre)
+        dst = h + ROUND * 2048
+        if tl.sum(ok.to(tl.int32), 0) <= FEW:  # few keys to count (rounds 2-3 mostly): one atomic each
+            tl.atomic_add(dst + digit, 1, mask=ok, sem="relaxed")
+        else:
+            counts = tl.histogram(digit, NBR, mask=ok)
+            tl.atomic_add(dst + tl.arange(0, NBR), counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit
+def _topk_grid_count_kernel(logits, stride_l, lens, hist, kq, counts, topk, P, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.load(lens + b)
+    if (n > topk) & (t * BLOCK < n):
+        K, take = _kth(hist + b * 6144, topk)
+        pos = t * BLOCK + tl.arange(0, BLOCK)
+        m = pos < n
+        k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
+        flip = -2147483648  # xor with the sign bit: signed order of the flipped keys = unsigned order
+        gt = m & ((k ^ flip) > (K ^ flip))
+        eq = m & (k == K)
+        c = counts + (b * P + t) * 2
+        tl.store(c, tl.sum(gt.to(tl.int32), 0))
+        tl.store(c + 1, tl.sum(eq.to(tl.int32), 0))
+        if t == 0:
+            tl.store(kq + b * 2, K)
+            tl.store(kq + b * 2 + 1, take)
+
+
+@triton.jit
+def _topk_grid_write_kernel(logits, stride_l, lens, indptr, indices, hist, kq, counts, out, topk, P,
+                            BLOCK: tl.constexpr, PP: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.load(lens + b)
+    pages = indices + tl.load(indptr + b)
+    pos = t * BLOCK + tl.arange(0, BLOCK)
+    o = out + b.to(tl.int64) * topk
+    if n <= topk:  # the whole context in order, then -1
+        m = pos < topk
+        tl.store(o + pos, tl.where(pos < n, _slot(pages, pos, m & (pos < n), PAGE), -1), mask=m)
+    elif t * BLOCK < n:
+        K = tl.load(kq + b * 2)
+        take = tl.load(kq + b * 2 + 1)
+        q = tl.arange(0, PP)
+        prior = q < t
+        c = counts + (b * P + q) * 2
+        base_gt = tl.sum(tl.load(c, mask=prior, other=0), 0)
+        base_eq = tl.sum(tl.load(c + 1, mask=prior, other=0), 0)
+        m = pos < n
+        k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
+        flip = -2147483648
+        gt = m & ((k ^ flip) > (K ^ flip))
+        eq = m & (k == K)
+        i_gt = base_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        i_eq = base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        eq = eq & (i_eq < take)
+        slot = _slot(pages, pos, gt | eq, PAGE)
+        tl.store(o + i_gt, slot, mask=gt)
+        tl.store(o + (topk - take) + i_eq, slot, mask=eq)
+    if t == 0:  # every read of this request's histograms was in the count launch: zero them for the next call
+        z = tl.arange(0, 2048)
+        for r in range(3):
+            tl.store(hist + b * 6144 + r * 2048 + z, tl.zeros([2048], tl.int32))
+
+
+_HISTS: dict = {}  # device -> int32 histograms, 6144 a request, zero between calls (the last launch zeroes them)
+
+
+def _hists(device, batch: int) -> torch.Tensor:
+    """Zeroed histograms for ``batch`` requests on ``device``, made once and kept (grown when a larger
+    batch comes). Calls on one device must not overlap in time (one stream): they share them."""
+    t = _HISTS.get(device)
+    if t is None or t.numel() < batch * 6144:
+        t = _HISTS[device] = torch.zeros(max(batch, 64) * 6144, dtype=torch.int32, device=device)
+    return t
+
+
+def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, block: int = 4096,
+              num_warps: int = 4) -> torch.Tensor:
+    """Global token slots of each request's ``topk`` largest logits, by five launches over a grid of
+    (tile, request) programs.
+
+    Parameters
+    ----------
+    logits : [B, max_len] torch.float32, rows contiguous (any row stride); positions >= kv_lens[b]
+        are never read.
+    kv_lens : [B] int32 context lengths (0 allowed); kv_indptr : [B + 1] int32; kv_indices : [nnz]
+        int32 KV page ids.
+    page_size : KV page size (>= 1); topk : slots per request (>= 1).
+    block : logits a program (a power of two 16..32768); num_warps.
+
+    Returns
+    -------
+    slots : [B, topk] torch.int32, as ``topk_select``'s; keys tied at the k-th are taken in context
+    order. Scratch: 8 B a tile and 8 B a request; the device's histograms (``_hists``).
+    """
+    _check("logits", logits, torch.float32, 2)
+    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        _check(name, t, torch.int32, 1)
+    B, T = logits.shape
+    if kv_lens.numel() != B or kv_indptr.numel() != B + 1:
+        raise ValueError(f"kv_lens has {kv_lens.numel()} and kv_indptr {kv_indptr.numel()} entries; logits has "
+                         f"B = {B} rows (expected B and B + 1)")
+    if T > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
+    for name, v in (("topk", topk), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    _pow2("block", block, 16)
+    out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
+    if B == 0:
+        return out
+    P = max(1, -(-T // block))  # tiles over the longest row
+    hist = _hists(logits.device, B)
+    kq = torch.empty(B, 2, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(B, P, 2, dtype=torch.int32, device=logits.device)
+    for r in range(3):
+        _topk_grid_round_kernel[(P, B)](logits, logits.stride(0), kv_lens, hist, topk, ROUND=r, NBR=1024 if r == 2 else NB,
+                                        BLOCK=block, FEW=FEW,
+                                        num_warps=num_warps)
+    _topk_grid_count_kernel[(P, B)](logits, logits.stride(0), kv_lens, hist, kq, counts, topk, P, BLOCK=block,
+                                    num_warps=num_warps)
+    _topk_grid_write_kernel[(max(P, -(-topk // block)), B)](
+        logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, hist, kq, counts, out, topk, P, BLOCK=block,
+        PP=triton.next_power_of_2(P), PAGE=page_size, num_warps=num_warps)
+    return out
