@@ -8,21 +8,23 @@ work. ``topk_select`` gives a request one to a few programs that meet at barrier
 requests x 32K each of its 128 programs owns an SM and runs its passes at low occupancy (29% of
 issue cycles on the H200, run 12b). Here every launch is a full grid of (request, tile) programs:
 
-1-3. Three rounds fix the k-th largest key, 11 + 11 + 10 bits (``_topk_grid_round_kernel``): each
+1-4. Four rounds fix the k-th largest key, 8 bits a round (``_topk_grid_round_kernel``): each
    program counts the digits of its tile's keys that share the bits fixed so far (re-derived in
    its prologue from the request's earlier histograms) and adds them to the request's histogram
    in global memory: ``tl.histogram`` then one atomic a non-zero bin, or, where the tile holds at
-   most ``FEW`` such keys, one atomic a key.
-4. ``_topk_grid_count_kernel``: each program counts its keys above the k-th key K and equal to it;
+   most ``FEW`` such keys (the later rounds, mostly), one atomic a key. 8-bit digits: the cost of
+   ``tl.histogram`` grows with its bins (a popc per bin a lane owns), and 11-bit ones compiled to
+   about 8000 instructions a 4096-key tile.
+5. ``_topk_grid_count_kernel``: each program counts its keys above the k-th key K and equal to it;
    program 0 of a request stores K and how many of the equal keys to take.
-5. ``_topk_grid_write_kernel``: each program adds up the counts of the request's earlier tiles and
+6. ``_topk_grid_write_kernel``: each program adds up the counts of the request's earlier tiles and
    writes its slots at those offsets (keys above K first, then the first equal ones in context
    order: the output does not depend on timing), and zeroes the histograms for the next call, so
    that a captured graph needs no memset.
 
-Bytes per request of n > topk positions: 4 n read five times (from L2 at GLM-5's sizes: the logits
+Bytes per request of n > topk positions: 4 n read six times (from L2 at GLM-5's sizes: the logits
 kernel has just written them), 4 B a slot written and 4 B of page table read a slot, 8 B of counts
-a tile; 24 KB of histograms a request, made once and kept (``_hists``).
+a tile; 4 KB of histograms a request, made once and kept (``_hists``).
 """
 from __future__ import annotations
 
@@ -32,60 +34,45 @@ import triton.language as tl
 
 from .topk_select import _check, _digit, _pow2, _slot, _ukey
 
-NB = 2048  # histogram bins of the first two rounds (11 bits); the third has 1024 (10 bits)
+NB = 256  # histogram bins a round (8-bit digits, four rounds)
+HIST = 4 * NB  # int32 histogram counts a request
 FEW = 64  # a tile with at most this many keys to count adds them one atomic each
 
 
 @triton.jit
-def _fixed(h, topk, ROUND: tl.constexpr):
-    """The digits fixed by rounds before ``ROUND`` (from the request's histograms at h) as the key's
-    top 11 / 22 bits, and the rank of the k-th key left inside them."""
+def _fixed(h, topk, ROUNDS: tl.constexpr):
+    """The digits fixed by the first ``ROUNDS`` rounds (from the request's histograms at h) as the
+    key's top 8 * ROUNDS bits, and the rank of the k-th key left among the keys that share them."""
     r = topk
     pre = 0
-    if ROUND >= 1:
-        d1, r, _c = _digit(tl.load(h + tl.arange(0, 2048)), r, 2048)
-        pre = d1
-    if ROUND >= 2:
-        d2, r, _c = _digit(tl.load(h + 2048 + tl.arange(0, 2048)), r, 2048)
-        pre = pre * 2048 + d2
+    for i in tl.static_range(ROUNDS):
+        d, r, _c = _digit(tl.load(h + i * 256 + tl.arange(0, 256)), r, 256)
+        pre = (pre << 8) | d
     return pre, r
 
 
 @triton.jit
-def _kth(h, topk):
-    """The k-th largest key (int32, unsigned order) and how many keys equal to it are taken."""
-    pre, r = _fixed(h, topk, 2)
-    d3, r, _c = _digit(tl.load(h + 4096 + tl.arange(0, 1024)), r, 1024)
-    return (pre << 10) | d3, r
-
-
-@triton.jit
-def _topk_grid_round_kernel(logits, stride_l, lens, hist, topk, ROUND: tl.constexpr, NBR: tl.constexpr,
-                            BLOCK: tl.constexpr, FEW: tl.constexpr):
+def _topk_grid_round_kernel(logits, stride_l, lens, hist, topk, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                            FEW: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1)
     n = tl.load(lens + b)
     if (n > topk) & (t * BLOCK < n):
-        h = hist + b * 6144
+        h = hist + b * 1024
         pre, _r = _fixed(h, topk, ROUND)
         pos = t * BLOCK + tl.arange(0, BLOCK)
         m = pos < n
         k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
-        if ROUND == 0:
-            digit = (k >> 21) & 2047
-            ok = m
-        elif ROUND == 1:
-            digit = (k >> 10) & 2047
-            ok = m & (((k >> 21) & 2047) == pre)
-        else:
-            digit = k & 1023
-            ok = m & (((k >> 10) & 0x3FFFFF) == pre)
-        dst = h + ROUND * 2048
-        if tl.sum(ok.to(tl.int32), 0) <= FEW:  # few keys to count (rounds 2-3 mostly): one atomic each
+        digit = (k >> (24 - 8 * ROUND)) & 255
+        ok = m
+        if ROUND > 0:  # only the keys that share the bits fixed so far
+            ok = m & (((k >> (32 - 8 * ROUND)) & ((1 << (8 * ROUND)) - 1)) == pre)
+        dst = h + ROUND * 256
+        if tl.sum(ok.to(tl.int32), 0) <= FEW:  # few keys to count (the later rounds, mostly): one atomic each
             tl.atomic_add(dst + digit, 1, mask=ok, sem="relaxed")
         else:
-            counts = tl.histogram(digit, NBR, mask=ok)
-            tl.atomic_add(dst + tl.arange(0, NBR), counts, mask=counts > 0, sem="relaxed")
+            counts = tl.histogram(digit, 256, mask=ok)
+            tl.atomic_add(dst + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
@@ -94,7 +81,7 @@ def _topk_grid_count_kernel(logits, stride_l, lens, hist, kq, counts, topk, P, B
     b = tl.program_id(1)
     n = tl.load(lens + b)
     if (n > topk) & (t * BLOCK < n):
-        K, take = _kth(hist + b * 6144, topk)
+        K, take = _fixed(hist + b * 1024, topk, 4)
         pos = t * BLOCK + tl.arange(0, BLOCK)
         m = pos < n
         k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
@@ -141,26 +128,24 @@ def _topk_grid_write_kernel(logits, stride_l, lens, indptr, indices, hist, kq, c
         tl.store(o + i_gt, slot, mask=gt)
         tl.store(o + (topk - take) + i_eq, slot, mask=eq)
     if t == 0:  # every read of this request's histograms was in the count launch: zero them for the next call
-        z = tl.arange(0, 2048)
-        for r in range(3):
-            tl.store(hist + b * 6144 + r * 2048 + z, tl.zeros([2048], tl.int32))
+        tl.store(hist + b * 1024 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
 
 
-_HISTS: dict = {}  # device -> int32 histograms, 6144 a request, zero between calls (the last launch zeroes them)
+_HISTS: dict = {}  # device -> int32 histograms, HIST a request, zero between calls (the last launch zeroes them)
 
 
 def _hists(device, batch: int) -> torch.Tensor:
     """Zeroed histograms for ``batch`` requests on ``device``, made once and kept (grown when a larger
     batch comes). Calls on one device must not overlap in time (one stream): they share them."""
     t = _HISTS.get(device)
-    if t is None or t.numel() < batch * 6144:
-        t = _HISTS[device] = torch.zeros(max(batch, 64) * 6144, dtype=torch.int32, device=device)
+    if t is None or t.numel() < batch * HIST:
+        t = _HISTS[device] = torch.zeros(max(batch, 64) * HIST, dtype=torch.int32, device=device)
     return t
 
 
 def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, block: int = 4096,
               num_warps: int = 4) -> torch.Tensor:
-    """Global token slots of each request's ``topk`` largest logits, by five launches over a grid of
+    """Global token slots of each request's ``topk`` largest logits, by six launches over a grid of
     (tile, request) programs.
 
     Parameters
@@ -197,9 +182,8 @@ def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     hist = _hists(logits.device, B)
     kq = torch.empty(B, 2, dtype=torch.int32, device=logits.device)
     counts = torch.empty(B, P, 2, dtype=torch.int32, device=logits.device)
-    for r in range(3):
-        _topk_grid_round_kernel[(P, B)](logits, logits.stride(0), kv_lens, hist, topk, ROUND=r, NBR=1024 if r == 2 else NB,
-                                        BLOCK=block, FEW=FEW,
+    for r in range(4):
+        _topk_grid_round_kernel[(P, B)](logits, logits.stride(0), kv_lens, hist, topk, ROUND=r, BLOCK=block, FEW=FEW,
                                         num_warps=num_warps)
     _topk_grid_count_kernel[(P, B)](logits, logits.stride(0), kv_lens, hist, kq, counts, topk, P, BLOCK=block,
                                     num_warps=num_warps)
