@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import _check, _digit, _pow2, _slot, _ukey
+from .topk_select import _check_args, _digit, _slot, _ukey
 
 NB = 256  # histogram bins a round (8-bit digits, four rounds)
 HIST = 4 * NB  # int32 histogram counts a request
@@ -162,19 +162,7 @@ def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     slots : [B, topk] torch.int32, as ``topk_select``'s; keys tied at the k-th are taken in context
     order. Scratch: 8 B a tile and 8 B a request; the device's histograms (``_hists``).
     """
-    _check("logits", logits, torch.float32, 2)
-    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-        _check(name, t, torch.int32, 1)
-    B, T = logits.shape
-    if kv_lens.numel() != B or kv_indptr.numel() != B + 1:
-        raise ValueError(f"kv_lens has {kv_lens.numel()} and kv_indptr {kv_indptr.numel()} entries; logits has "
-                         f"B = {B} rows (expected B and B + 1)")
-    if T > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    for name, v in (("topk", topk), ("page_size", page_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be a positive integer")
-    _pow2("block", block, 16)
+    B, T = _check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, block)
     out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
     if B == 0:
         return out
