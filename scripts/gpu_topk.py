@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The DSA indexer's logits and top-k on one GPU: ``torch.topk`` beside the Triton top-k
-(labkit.kernels.topk_select) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
+"""The DSA indexer's logits and top-k on one GPU: ``torch.topk`` beside the Triton top-k's
+(labkit.kernels.topk_select, the candidates from the logits kernel, labkit.kernels.topk_grid) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
 x 128, top-2048, KV pages of 64, pages scattered). Per shape, first the check: the Triton slots of
 every request against torch.topk's values (the logits at the slots, sorted, equal to the top-k
 values: the same set up to ties), then CUDA-graph medians over rotating layers
 (labkit.timing.graph_times) of: the logits kernel, bare torch.topk, select_tokens with each top-k,
 and logits + top-k captured together.
-Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
+Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K. Columns agree_grid, grid_topk_us and
+total_grid_us: the grid top-k (tiles of 4096 logits), checked and timed like the others.
 A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_topk.py --out DIR [--sweep]
@@ -173,14 +174,18 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
             "total_torch_us": lambda i: case.torch_topk(case.index(i)),
             "total_triton_us": lambda i: case.triton_topk(case.index(i)),
             "total_cand_us": lambda i: case.candidates(i, a.cand_sample),
+            "grid_topk_us": lambda i: case.triton_topk(L[i], grid=4096),
+            "total_grid_us": lambda i: case.triton_topk(case.index(i), grid=4096),
         }
         row["cand_sample"] = a.cand_sample
         row["agree_cand"] = agreement(case, case.candidates(0, a.cand_sample), L[0])
+        row["agree_grid"] = agreement(case, case.triton_topk(L[0], grid=4096), L[0])
         for name, fn in t.items():
             row[name] = graph_us(fn, a)
         if row["target_us"] is not None:
             row["met"] = row["total_triton_us"] <= row["target_us"]
             row["met_cand"] = row["total_cand_us"] <= row["target_us"]
+            row["met_grid"] = row["total_grid_us"] <= row["target_us"]
     except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return [row]
@@ -225,7 +230,8 @@ def table(rows) -> str:
     cols = [("batch", "B", "%d"), ("context", "ctx", "%d"), ("tuning", "tuning", "%s"), ("agree", "ok", "%d"),
             ("logits_us", "logits", "%.1f"), ("torch_topk_us", "topk", "%.1f"), ("torch_select_us", "t.sel", "%.1f"),
             ("triton_topk_us", "triton", "%.1f"), ("total_torch_us", "tot.t", "%.1f"),
-            ("total_triton_us", "tot.tri", "%.1f"), ("total_cand_us", "tot.cand", "%.1f"), ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
+            ("total_triton_us", "tot.tri", "%.1f"), ("total_cand_us", "tot.cand", "%.1f"), ("grid_topk_us", "grid", "%.1f"),
+            ("total_grid_us", "tot.grid", "%.1f"), ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
     lines = [" ".join(f"{h:>8}" for _, h, _ in cols)]
     for r in rows:
         cells = [(fmt % r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
@@ -267,7 +273,8 @@ def main():
         write(out, res)
     print(table(res["rows"]))
     bad = [r for r in res["rows"] if "error" in r or r.get("agree") != r.get("requests")
-           or r.get("agree_cand", r.get("requests")) != r.get("requests")]
+           or r.get("agree_cand", r.get("requests")) != r.get("requests")
+           or r.get("agree_grid", r.get("requests")) != r.get("requests")]
     log(f"wrote {out / 'gpu_topk.json'} and .csv; {len(bad)} rows with an error or a mismatch")
 
 
