@@ -24,7 +24,8 @@ issue cycles on the H200, run 12b). Here every launch is a full grid of (request
 
 Bytes per request of n > topk positions: 4 n read six times (from L2 at GLM-5's sizes: the logits
 kernel has just written them), 4 B a slot written and 4 B of page table read a slot, 8 B of counts
-a tile; 4 KB of histograms a request, made once and kept (``_hists``).
+a tile; 4 KB of histograms a request, in the device's zeroed scratch that the kernels leave at zero
+(``topk_select._barriers``, which its barrier counts and ``index_sample``'s arrival counts share).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import _check_args, _digit, _slot, _ukey
+from .topk_select import _barriers, _check_args, _digit, _slot, _ukey
 
 NB = 256  # histogram bins a round (8-bit digits, four rounds)
 HIST = 4 * NB  # int32 histogram counts a request
@@ -76,18 +77,22 @@ def _topk_grid_round_kernel(logits, stride_l, lens, hist, topk, ROUND: tl.conste
 
 
 @triton.jit
+def _above_and_tied(row, pos, n, K):
+    """Masks of the positions ``pos`` (< n) of ``row`` whose keys are above the key K, and equal to it."""
+    m = pos < n
+    k = _ukey(row + pos, m)
+    flip = -2147483648  # xor with the sign bit: signed order of the flipped keys = unsigned order
+    return m & ((k ^ flip) > (K ^ flip)), m & (k == K)
+
+
+@triton.jit
 def _topk_grid_count_kernel(logits, stride_l, lens, hist, kq, counts, topk, P, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1)
     n = tl.load(lens + b)
     if (n > topk) & (t * BLOCK < n):
         K, take = _fixed(hist + b * 1024, topk, 4)
-        pos = t * BLOCK + tl.arange(0, BLOCK)
-        m = pos < n
-        k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
-        flip = -2147483648  # xor with the sign bit: signed order of the flipped keys = unsigned order
-        gt = m & ((k ^ flip) > (K ^ flip))
-        eq = m & (k == K)
+        gt, eq = _above_and_tied(logits + b.to(tl.int64) * stride_l, t * BLOCK + tl.arange(0, BLOCK), n, K)
         c = counts + (b * P + t) * 2
         tl.store(c, tl.sum(gt.to(tl.int32), 0))
         tl.store(c + 1, tl.sum(eq.to(tl.int32), 0))
@@ -116,11 +121,7 @@ def _topk_grid_write_kernel(logits, stride_l, lens, indptr, indices, hist, kq, c
         c = counts + (b * P + q) * 2
         base_gt = tl.sum(tl.load(c, mask=prior, other=0), 0)
         base_eq = tl.sum(tl.load(c + 1, mask=prior, other=0), 0)
-        m = pos < n
-        k = _ukey(logits + b.to(tl.int64) * stride_l + pos, m)
-        flip = -2147483648
-        gt = m & ((k ^ flip) > (K ^ flip))
-        eq = m & (k == K)
+        gt, eq = _above_and_tied(logits + b.to(tl.int64) * stride_l, pos, n, K)
         i_gt = base_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
         i_eq = base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
         eq = eq & (i_eq < take)
@@ -129,18 +130,6 @@ def _topk_grid_write_kernel(logits, stride_l, lens, indptr, indices, hist, kq, c
         tl.store(o + (topk - take) + i_eq, slot, mask=eq)
     if t == 0:  # every read of this request's histograms was in the count launch: zero them for the next call
         tl.store(hist + b * 1024 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
-
-
-_HISTS: dict = {}  # device -> int32 histograms, HIST a request, zero between calls (the last launch zeroes them)
-
-
-def _hists(device, batch: int) -> torch.Tensor:
-    """Zeroed histograms for ``batch`` requests on ``device``, made once and kept (grown when a larger
-    batch comes). Calls on one device must not overlap in time (one stream): they share them."""
-    t = _HISTS.get(device)
-    if t is None or t.numel() < batch * HIST:
-        t = _HISTS[device] = torch.zeros(max(batch, 64) * HIST, dtype=torch.int32, device=device)
-    return t
 
 
 def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, block: int = 4096,
@@ -160,14 +149,14 @@ def topk_grid(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     Returns
     -------
     slots : [B, topk] torch.int32, as ``topk_select``'s; keys tied at the k-th are taken in context
-    order. Scratch: 8 B a tile and 8 B a request; the device's histograms (``_hists``).
+    order. Scratch: 8 B a tile and 8 B a request; HIST int32 a request of ``_barriers``.
     """
     B, T = _check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, block)
     out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
     if B == 0:
         return out
     P = max(1, -(-T // block))  # tiles over the longest row
-    hist = _hists(logits.device, B)
+    hist = _barriers(logits.device, B * HIST)  # zero between calls: the write launch zeroes its part
     kq = torch.empty(B, 2, dtype=torch.int32, device=logits.device)
     counts = torch.empty(B, P, 2, dtype=torch.int32, device=logits.device)
     for r in range(4):

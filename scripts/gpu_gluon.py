@@ -113,19 +113,23 @@ def main():
         base = dict(token_indices=batch.slots(0), kv_layout=a.kv_layout) if topk else {}
         if a.accurate:
             base["precision"] = "accurate"
+
+        def launch(kw: dict):
+            """The call of layer ``layer`` with the variant's keywords ``kw`` (``kernel``: which one)."""
+            kw = dict(kw)
+            fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
+            return lambda layer: fn(qn, qp, pool.layer(layer), *idx, k_scale=1.0 if ds else pool.scale(layer),
+                                    max_len=L if not topk else None, **kw)
+
         # whatever was timed first after a shape's reference ran up to 16% slow, both graph rounds
         # included (run 21, the same launch first and second: 8 heads 64 x 8K 135.2 / 117.8 us, 16 heads
         # 128 x 8K 257.9 / 222.5): a first timing of the default launch is made and dropped
-        first = lambda layer: mla_decode_fp8_gluon(qn, qp, pool.layer(layer), *idx, max_len=L if not topk else None,  # noqa: E731
-                                                   k_scale=1.0 if ds else pool.scale(layer), **base)
-        timing.graph_times(first, range(LAYERS))
+        timing.graph_times(launch(base), range(LAYERS))
         for name, kw in (ACC_VARIANTS if a.accurate else VARIANTS).items():
             if (a.variants and name not in a.variants) or (B > 1 and name in ONE_REQUEST_ONLY):
                 continue
             kw = {**base, **kw}
-            fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
-            call = lambda layer, kw=kw, fn=fn: fn(qn, qp, pool.layer(layer), *idx, k_scale=1.0 if ds else pool.scale(layer),  # noqa: E731
-                                                  max_len=L if not topk else None, **kw)
+            call = launch(kw)
             row = dict(variant=name, H=H, B=B, L=L, topk=topk, precision=kw.get("precision", "fast"), hot=a.hot,
                        kv_layout=a.kv_layout)
             try:

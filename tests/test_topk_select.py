@@ -250,11 +250,11 @@ def test_grid_topk_ties_in_context_order_and_histograms_left_zero():
             tok = indices[int(indptr[b]):].tolist()  # page size 1: position p is token tok[p]
             assert sorted(slots[b, :10].tolist()) == sorted(tok[10:20])
             assert slots[b, 10:].tolist() == tok[:6]
-        assert not grid_module._HISTS[x.device].any(), "histograms left at zero"
-    before = grid_module._HISTS[x.device]
+        assert not topk_module._BARRIERS[x.device].any(), "histograms left at zero"
+    before = topk_module._BARRIERS[x.device]
     topk_grid(torch.randn(70, 40), torch.full((70,), 40, dtype=torch.int32), torch.arange(71, dtype=torch.int32) * 40,
               torch.arange(2800, dtype=torch.int32), 1, 8, block=16)
-    after = grid_module._HISTS[x.device]
+    after = topk_module._BARRIERS[x.device]
     assert after.numel() >= 70 * grid_module.HIST > before.numel() and not after.any()
 
 
