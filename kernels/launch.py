@@ -32,7 +32,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from .mla_decode import D_CKV
-from .mla_merge import PART_DTYPES, _mla_merge_kernel, pdl_meta, use_pdl
+from .mla_merge import PART_DTYPES, _mla_merge_kernel
 
 
 @dataclass
@@ -173,6 +173,5 @@ def merge_launch(batch: int, heads: int, num_splits: int, out_dtype, device) -> 
     block_h = min(block_h, triton.next_power_of_2(heads))
     grid = (batch, triton.cdiv(heads, block_h), D_CKV // block_d)
     meta = dict(S_POW2=s_pow2, DV=D_CKV, BLOCK_H=block_h, BLOCK_D=block_d,
-                RNE_BF16=(out_dtype == torch.bfloat16 and device.type == "cpu"), num_warps=4,
-                **pdl_meta(use_pdl(device)))
+                RNE_BF16=(out_dtype == torch.bfloat16 and device.type == "cpu"), num_warps=4)
     return grid, meta

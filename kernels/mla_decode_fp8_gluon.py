@@ -64,7 +64,7 @@ import triton
 from .mla_decode import LOG2E, check_decode_args, decode_buffers, resolve_splits
 from .mla_decode_fp8_rows import (DS_ROPE_AT_BF16, DS_ROW, DS_ROW_BF16, DS_ROW_F32, DS_SCALE_AT_F32, LAYOUT_ROW,
                                    rows_views)
-from .mla_merge import mla_merge, use_pdl
+from .mla_merge import mla_merge
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -576,11 +576,7 @@ if HAS_GLUON:
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
         PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
-        PDL: gl.constexpr = False,  # the merge follows as a programmatic dependent launch (mla_merge.use_pdl)
     ):
-        if PDL:  # let the merge's CTAs be placed now: they wait in griddepcontrol.wait for this grid's end
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
         hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
         b = gl.program_id(1)
         split = gl.program_id(2)
@@ -1012,8 +1008,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, PDL=not direct and use_pdl(dev),
-        num_warps=num_warps,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

@@ -12,30 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper+): the merge waits for stage 1 inside the kernel
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - old Triton
-    gdc_wait = None
-
 LN2 = 0.6931471805599453
 PART_DTYPES = (torch.float32, torch.bfloat16)  # what stage 1 may write its partial outputs in
-# Launch the merge as a programmatic dependent of stage 1 (sm_90+): its CTAs are placed while stage 1
-# runs (once every stage-1 CTA has started, or signalled as the Gluon kernel does at its start) and
-# wait in griddepcontrol.wait, so the gap between the two launches leaves the critical path.
-# Off until measured: scripts/gpu_gluon.py --pdl times both side by side.
-MERGE_PDL = False
-
-
-def use_pdl(device) -> bool:
-    """The merge on ``device`` is launched with programmatic dependent launch (``MERGE_PDL``)."""
-    device = torch.device(device)
-    return (MERGE_PDL and gdc_wait is not None and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def pdl_meta(pdl: bool) -> dict:
-    """The merge's launch keywords for ``pdl`` (none when off: the interpreter knows no launch_pdl)."""
-    return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
 @triton.jit
@@ -63,10 +41,7 @@ def _mla_merge_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_D: tl.constexpr,  # output columns per program (a divisor of DV)
     RNE_BF16: tl.constexpr,  # round to bf16 before the store (CPU interpreter, bf16 output)
-    PDL: tl.constexpr = False,  # launched with launch_pdl: wait here until stage 1 is done and visible
 ):
-    if PDL:
-        gdc_wait()
     # grid (B, head blocks, DV / BLOCK_D): at batch 1 the columns spread the work over the chip;
     # all splits of a (head, column block) are loaded as one tile, so their loads are in flight together
     b = tl.program_id(0)
@@ -142,6 +117,5 @@ def mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.d
         part_out, part_lse, out, lse, H, out.stride(0), out.stride(1), float(out_scale),
         S, S_POW2=s_pow2, DV=DV, BLOCK_H=block_h, BLOCK_D=block_d,
         RNE_BF16=(out_dtype == torch.bfloat16 and part_out.device.type == "cpu"), num_warps=num_warps,
-        **pdl_meta(use_pdl(part_out.device)),
     )
     return out, lse

@@ -19,7 +19,6 @@ from labkit.kernels.fp8_to_bf16 import fp8_to_bf16
 from labkit.kernels.launch import Launcher, SplitKV
 from labkit.kernels.mla_decode import LOG2E, _mla_decode_kernel, pick_block_h, resolve_splits
 from labkit.kernels.mla_decode_fp8 import _mla_decode_fp8_kernel, default_config, quantize_q_fp8
-from labkit.kernels.mla_merge import use_pdl
 from labkit.kernels import mla_decode_fp8_gluon as G
 from labkit.kernels import mla_decode_fp8_rows as R
 from labkit.kernels import mla_decode_fp8_ws as W
@@ -207,8 +206,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (head_blocks, b.batch_size, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
-                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision),
-                      PDL=not split.direct and use_pdl(pool.device), num_warps=num_warps)
+                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         (kv, kv32, kv16), k_scale = views[layer], scales[layer]

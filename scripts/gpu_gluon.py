@@ -20,7 +20,6 @@ import torch  # noqa: E402
 
 from labkit import kvpool, reference, roofline, timing  # noqa: E402
 from labkit.kernels.mla_decode_fp8_gluon import mla_decode_fp8_gluon  # noqa: E402
-from labkit.kernels import mla_merge as M  # noqa: E402
 from labkit.kernels.mla_decode_fp8_ws import mla_decode_fp8_ws  # noqa: E402
 
 VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages=2, ctas_per_sm=1),
@@ -44,8 +43,6 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2),
             # the pipelined tile loop on two warpgroups (no spills at 16-32 heads: sass_sm90.py --warps 8 --pipe)
             "pipe_w8": dict(pipeline=True, num_warps=8), "pipe_w8_s4": dict(pipeline=True, num_warps=8, num_stages=4),
-            # the merge as a programmatic dependent launch (mla_merge.MERGE_PDL), and not
-            "pdl": dict(pdl=True), "nopdl": dict(pdl=False),
 }
 SPARSE_SHAPES = [(16, 64, 32768, 2048), (32, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
                  (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)
@@ -67,9 +64,7 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "w8": dict(num_warps=8), "fast_w8": dict(precision="fast", num_warps=8),
                 "w4": dict(num_warps=4), "fast_w4": dict(precision="fast", num_warps=4),
                 "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2),
-                "pipe_w8": dict(pipeline=True, num_warps=8), "fast_pipe_w8": dict(precision="fast", pipeline=True, num_warps=8),
-                "pdl": dict(pdl=True), "nopdl": dict(pdl=False), "fast_pdl": dict(precision="fast", pdl=True),
-                "fast_nopdl": dict(precision="fast", pdl=False)}
+                "pipe_w8": dict(pipeline=True, num_warps=8), "fast_pipe_w8": dict(precision="fast", pipeline=True, num_warps=8)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
 ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128", "n64_p16", "n128_p16")
@@ -123,16 +118,8 @@ def main():
             """The call of layer ``layer`` with the variant's keywords ``kw`` (``kernel``: which one)."""
             kw = dict(kw)
             fn = dict(ws=mla_decode_fp8_ws).get(kw.pop("kernel", None), mla_decode_fp8_gluon)
-            pdl = kw.pop("pdl", M.MERGE_PDL)
-
-            def call(layer):
-                keep, M.MERGE_PDL = M.MERGE_PDL, pdl  # read at launch (and so at a graph's capture)
-                try:
-                    return fn(qn, qp, pool.layer(layer), *idx, k_scale=1.0 if ds else pool.scale(layer),
-                              max_len=L if not topk else None, **kw)
-                finally:
-                    M.MERGE_PDL = keep
-            return call
+            return lambda layer: fn(qn, qp, pool.layer(layer), *idx, k_scale=1.0 if ds else pool.scale(layer),
+                                    max_len=L if not topk else None, **kw)
 
         # whatever was timed first after a shape's reference ran up to 16% slow, both graph rounds
         # included (run 21, the same launch first and second: 8 heads 64 x 8K 135.2 / 117.8 us, 16 heads

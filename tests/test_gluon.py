@@ -295,19 +295,6 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
 
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
-def test_pdl_signal_is_the_kernels_first_instruction_and_costs_nothing_else(tmp_path):
-    """PDL=1 puts griddepcontrol.launch_dependents (SASS PREEXIT) at the start, before any load, and
-    changes neither registers nor the loop; without it there is none."""
-    st, sass = _sass_sm90(tmp_path, "--block-h", "64", "--stages", "3", "--pdl")
-    st0, sass0 = _sass_sm90(tmp_path, "--block-h", "64", "--stages", "3")
-    assert "PREEXIT" not in sass0 and st["ops"].get("PREEXIT") == 1
-    body = sass[:sass.index("PREEXIT")]
-    assert not re.search(r"\b(LDG|LDS|UTMALDG|LDGSTS)", body)
-    assert st["regs"] == st0["regs"] and st["stack"] == st0["stack"] == 0
-    assert abs(st["instructions"] - st0["instructions"]) <= 2
-
-
-@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
     """64 heads a CTA: the score MMAs split the heads (N = 32 per warpgroup), p @ V splits the 512
     rows (N = 64), V comes in 8-byte loads, and nothing spills (the accumulator is 128 registers)."""
@@ -435,40 +422,6 @@ def test_gpu_gluon_sparse(page_size, heads):
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
     plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
     assert reference.rel_err(plan.run(qn, qp, 0, slots), ref) < TOL_GPU_P8
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_gpu_merge_as_a_programmatic_dependent_launch(monkeypatch, heads):
-    """The merge launched with launch_pdl after a Gluon kernel that signals at its start gives the same
-    bytes as the plain launch, eagerly and replayed from a CUDA graph (so griddepcontrol.wait does
-    wait for every split's partials), through the launcher and the planned backend."""
-    from labkit.kernels import mla_merge as M
-    lens = [8192, 1000, 4097]
-    pool = kvpool.random_pool(1, 64 * (sum(-(-n // 64) for n in lens) + 3), 64, seed=heads, device="cuda")
-    batch = kvpool.batch_for_pool(pool, lens, seed=heads + 1)
-    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
-    ref = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM)
-
-    def outs():
-        call = lambda: G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices,  # noqa: E731
-                                              batch.kv_lens, SM, pool.scale(0), num_splits=64)
-        plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
-        eager = (call(), plan.run(qn, qp, 0, None))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static = (call(), plan.run(qn, qp, 0, None))
-        g.replay()
-        torch.cuda.synchronize()
-        return eager + static
-
-    plain = outs()
-    monkeypatch.setattr(M, "MERGE_PDL", True)
-    assert M.use_pdl(qn.device)
-    for a, b in zip(plain, outs()):
-        assert torch.equal(a, b)
-    assert reference.rel_err(plain[0], ref) < TOL_GPU_P8
 
 
 TOL_ACCURATE = 3e-3  # the accurate precision's rule (a 16-bit query gives 1.7-2e-3)
