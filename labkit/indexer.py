@@ -25,7 +25,8 @@ reading the paged cache directly). Slots: int32 [B, index_topk] global token ids
 ``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
 implementations of the top-k (``topk_impl``): "torch" (``torch.topk``), "triton"
 (labkit.kernels.topk_select) and "grid" (labkit.kernels.topk_grid: six launches over a grid of
-programs); None picks ``default_topk_impl``: where it measured faster.
+programs; slower than "triton" at every shape measured, run 22a); None picks ``default_topk_impl``:
+where it measured faster.
 """
 from __future__ import annotations
 
