@@ -334,7 +334,7 @@ COUNTS = {"histogram": 0, "atomic": 1}  # topk_select(count=): how the row round
 def _barriers(device, n: int) -> torch.Tensor:
     """At least n zeroed int32 barrier counts on ``device``, made once and kept: the kernel leaves them
     at zero, so a captured graph needs no memset (2.6 us a replay on the H200). Shared with
-    ``index_sample`` (its arrival counts) and ``topk_grid`` (its histograms), both also left at zero:
+    ``index_sample`` (its arrival counts), also left at zero:
     calls on one device must not overlap in time (one stream), or they would share them."""
     t = _BARRIERS.get(device)
     if t is None or t.shape[0] < n:

@@ -23,10 +23,8 @@ indexer does. Three implementations of the logits: "reference" (float64 on the s
 "torch" (keys widened, einsum, relu, weighted sum) and "triton" (labkit.kernels.index_logits,
 reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
 ``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
-implementations of the top-k (``topk_impl``): "torch" (``torch.topk``), "triton"
-(labkit.kernels.topk_select) and "grid" (labkit.kernels.topk_grid: six launches over a grid of
-programs; slower than "triton" at every shape measured, run 22a); None picks ``default_topk_impl``:
-where it measured faster.
+implementations of the top-k (``topk_impl``): "torch" (``torch.topk``) and "triton"
+(labkit.kernels.topk_select); None picks ``default_topk_impl``: where it measured faster.
 """
 from __future__ import annotations
 
@@ -280,7 +278,7 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 
 
 # -- top-k slots ---------------------------------------------------------------------------------
-TOPK_IMPLS = ("torch", "triton", "grid")
+TOPK_IMPLS = ("torch", "triton")
 
 
 TORCH_TOPK_MIN_TOKENS = 6_000_000  # batch x context past which torch.topk is faster (H200, run 10)
@@ -301,8 +299,7 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
     of each request's best tokens, unsorted; a request with kv_lens[b] <= index_topk gets all its
     tokens in context order, then -1. ``topk_impl``: "torch" (``torch.topk``), "triton"
-    (labkit.kernels.topk_select), "grid" (labkit.kernels.topk_grid; float64 logits are rounded to
-    float32 first for both) or None
+    (labkit.kernels.topk_select; float64 logits are rounded to float32 first) or None
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
@@ -312,8 +309,8 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
                          "Indexer.topk(layer, 'triton', topk_impl='candidates') or logits_and_slots")
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
-    if topk_impl in ("triton", "grid"):
-        slots = _slots_triton(logits, batch, index_topk, topk_impl)
+    if topk_impl == "triton":
+        slots = _slots_triton(logits, batch, index_topk)
         if check:
             check_slots(batch, slots)
         return slots
@@ -328,15 +325,13 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     return slots
 
 
-def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, impl: str = "triton") -> torch.Tensor:
-    from .kernels.topk_grid import topk_grid
+def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
     from .kernels.topk_select import topk_select
 
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "
                          f">= {batch.max_len}) (requests, longest context)")
-    fn = topk_grid if impl == "grid" else topk_select
-    return fn(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk)
+    return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk)
 
 
 def _at(mask: torch.Tensor, token_indices: torch.Tensor) -> str:

@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """The DSA indexer's logits and top-k on one GPU: ``torch.topk`` beside the Triton top-k's
-(labkit.kernels.topk_select, the candidates from the logits kernel, labkit.kernels.topk_grid) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
+(labkit.kernels.topk_select, the candidates from the logits kernel) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
 x 128, top-2048, KV pages of 64, pages scattered). Per shape, first the check: the Triton slots of
 every request against torch.topk's values (the logits at the slots, sorted, equal to the top-k
 values: the same set up to ties), then CUDA-graph medians over rotating layers
 (labkit.timing.graph_times) of: the logits kernel, bare torch.topk, select_tokens with each top-k,
 and logits + top-k captured together.
-Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K. Columns agree_grid, grid_topk_us and
-total_grid_us: the grid top-k (tiles of 4096 logits), checked and timed like the others.
+Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
 A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
 
     PYTHONUNBUFFERED=1 LAB_GIT_REV=$(git rev-parse HEAD) python3 scripts/gpu_topk.py --out DIR [--sweep]
@@ -36,7 +35,6 @@ from labkit import config, envinfo, kvpool, timing  # noqa: E402
 from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_and_slots, logits_triton,  # noqa: E402
                             positions_of, quantize_index_keys, quantize_index_query, sample_table, select_tokens,
                             token_ids)
-from labkit.kernels.topk_grid import topk_grid  # noqa: E402
 from labkit.kernels.topk_select import auto_splits, topk_select  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 131072), (128, 32768)]
@@ -73,9 +71,6 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     # 128-position tiles (run 21 on the H200: 75.9 against 79.8 us at 64 x 32K): their tile count, wider ones
     "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
     "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),
-    # the grid radix select (labkit.kernels.topk_grid: five launches over (tile, request) programs)
-    "grid": dict(grid=4096), "grid_b2k": dict(grid=2048), "grid_b8k": dict(grid=8192),
-    "grid_b1k": dict(grid=1024), "grid_w8": dict(grid=4096, num_warps=8),
 }
 
 
@@ -104,12 +99,8 @@ class Case:
         return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, **tuning)
 
     def triton_topk(self, logits, **kw) -> torch.Tensor:
-        """topk_select with ``kw``; with ``grid=BLOCK`` in them, topk_grid (tiles of BLOCK logits)."""
+        """topk_select with ``kw``."""
         b = self.batch
-        if "grid" in kw:
-            kw = dict(kw)
-            return topk_grid(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk,
-                             block=kw.pop("grid"), **kw)
         return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
 
     def candidates(self, layer: int, sample: int, run: int = 1, select: dict | None = None) -> torch.Tensor:
@@ -174,18 +165,14 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
             "total_torch_us": lambda i: case.torch_topk(case.index(i)),
             "total_triton_us": lambda i: case.triton_topk(case.index(i)),
             "total_cand_us": lambda i: case.candidates(i, a.cand_sample),
-            "grid_topk_us": lambda i: case.triton_topk(L[i], grid=4096),
-            "total_grid_us": lambda i: case.triton_topk(case.index(i), grid=4096),
         }
         row["cand_sample"] = a.cand_sample
         row["agree_cand"] = agreement(case, case.candidates(0, a.cand_sample), L[0])
-        row["agree_grid"] = agreement(case, case.triton_topk(L[0], grid=4096), L[0])
         for name, fn in t.items():
             row[name] = graph_us(fn, a)
         if row["target_us"] is not None:
             row["met"] = row["total_triton_us"] <= row["target_us"]
             row["met_cand"] = row["total_cand_us"] <= row["target_us"]
-            row["met_grid"] = row["total_grid_us"] <= row["target_us"]
     except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return [row]
@@ -230,8 +217,8 @@ def table(rows) -> str:
     cols = [("batch", "B", "%d"), ("context", "ctx", "%d"), ("tuning", "tuning", "%s"), ("agree", "ok", "%d"),
             ("logits_us", "logits", "%.1f"), ("torch_topk_us", "topk", "%.1f"), ("torch_select_us", "t.sel", "%.1f"),
             ("triton_topk_us", "triton", "%.1f"), ("total_torch_us", "tot.t", "%.1f"),
-            ("total_triton_us", "tot.tri", "%.1f"), ("total_cand_us", "tot.cand", "%.1f"), ("grid_topk_us", "grid", "%.1f"),
-            ("total_grid_us", "tot.grid", "%.1f"), ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
+            ("total_triton_us", "tot.tri", "%.1f"), ("total_cand_us", "tot.cand", "%.1f"),
+            ("target_us", "target", "%.0f"), ("splits", "spl", "%d")]
     lines = [" ".join(f"{h:>8}" for _, h, _ in cols)]
     for r in rows:
         cells = [(fmt % r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
@@ -273,8 +260,7 @@ def main():
         write(out, res)
     print(table(res["rows"]))
     bad = [r for r in res["rows"] if "error" in r or r.get("agree") != r.get("requests")
-           or r.get("agree_cand", r.get("requests")) != r.get("requests")
-           or r.get("agree_grid", r.get("requests")) != r.get("requests")]
+           or r.get("agree_cand", r.get("requests")) != r.get("requests")]
     log(f"wrote {out / 'gpu_topk.json'} and .csv; {len(bad)} rows with an error or a mismatch")
 
 

@@ -7,12 +7,7 @@ as -inf. The CPU tests run Triton's interpreter at small sizes; the GPU test at 
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +15,6 @@ import torch
 from labkit import config, kvpool
 from labkit.indexer import Indexer, check_slots, default_topk_impl, positions_of, select_tokens, token_ids
 from labkit.kernels import topk_select as topk_module
-from labkit.kernels import topk_grid as grid_module
-from labkit.kernels.topk_grid import topk_grid
 from labkit.kernels.topk_select import default_count, topk_select
 
 POISON = -123456  # what torch.empty gives int32 tensors in these tests: an unwritten slot shows
@@ -197,7 +190,7 @@ def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_select_tokens_triton_equals_torch(page_size):
-    """Through labkit.indexer: the indexer's own logits, the three top-k implementations, the same sets."""
+    """Through labkit.indexer: the indexer's own logits, both top-k implementations, the same sets."""
     cfg = config.load_model("tiny")
     lens, topk = [300, 20, 129], 64
     pool = kvpool.random_pool(1, page_size * (sum(-(-n // page_size) for n in lens) + 2), page_size, seed=3)
@@ -206,89 +199,11 @@ def test_select_tokens_triton_equals_torch(page_size):
     logits = ix.logits(0, "torch")
     got = select_tokens(logits, batch, topk, topk_impl="triton")  # checked by check_slots too
     want = select_tokens(logits, batch, topk, topk_impl="torch")
-    grid = select_tokens(logits, batch, topk, topk_impl="grid")
     for b in range(len(lens)):
-        assert set(got[b].tolist()) == set(want[b].tolist()) == set(grid[b].tolist())  # random logits: no ties
+        assert set(got[b].tolist()) == set(want[b].tolist())  # random logits: no ties
     assert torch.equal(ix.topk(0, "torch", topk_impl="triton"), got)
     assert default_topk_impl("cpu") == "torch"
     assert default_topk_impl("cuda", 32768, 128) == "triton" and default_topk_impl("cuda", 131072, 64) == "torch"
-
-
-@pytest.mark.parametrize("block", [16, 128, 1024])
-def test_grid_topk_matches_sorting(block, poisoned_ints):
-    """The grid top-k (six launches, no barriers): every kind of row; tiles of 16 keys (each round
-    counted by one atomic a key), 128 (the first round by tl.histogram, later ones mostly by
-    atomics) and 1024 (one tile a row); short rows, lengths 0 / 1 / topk / topk + 1, topk = 1."""
-    T, topk, page_size = 700, 48, 16
-    lens = [700, 650, 49, 400, 300, 690, 500, 600]
-    x = _rows(T, torch.Generator().manual_seed(block))
-    x[0, 200:260] = x[0].sort(descending=True).values[40]  # 60 ties around the k-th
-    indptr, indices = _table(lens, page_size, seed=block)
-    slots = topk_grid(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk, block=block)
-    _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
-    lens = [0, 1, 17, 18, 40]
-    x = torch.randn(len(lens), 40, generator=torch.Generator().manual_seed(5))
-    indptr, indices = _table(lens, 1, seed=5)
-    for k in (17, 1):
-        slots = topk_grid(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, 1, k, block=block)
-        _assert_topk(slots, x, lens, indptr, indices, 1, k)
-
-
-def test_grid_topk_ties_in_context_order_and_histograms_left_zero():
-    """Keys tied at the k-th are taken in context order (the output does not depend on timing); the
-    last launch leaves the device's histograms at zero, so the next call (or a graph replay) needs no
-    memset; they grow for a larger batch."""
-    lens = [300, 300]
-    x = torch.zeros(2, 300)
-    x[:, 10:20] = 1.0  # 10 keys above the k-th, then 290 tied at 0.0: the first 6 of them are taken
-    x[1, 250:] = -1.0
-    indptr, indices = _table(lens, 1, seed=3)
-    kv_lens = torch.tensor(lens, dtype=torch.int32)
-    for block in (16, 64):
-        slots = topk_grid(x, kv_lens, indptr, indices, 1, 16, block=block)
-        for b in range(2):
-            tok = indices[int(indptr[b]):].tolist()  # page size 1: position p is token tok[p]
-            assert sorted(slots[b, :10].tolist()) == sorted(tok[10:20])
-            assert slots[b, 10:].tolist() == tok[:6]
-        assert not topk_module._BARRIERS[x.device].any(), "histograms left at zero"
-    before = topk_module._BARRIERS[x.device]
-    topk_grid(torch.randn(70, 40), torch.full((70,), 40, dtype=torch.int32), torch.arange(71, dtype=torch.int32) * 40,
-              torch.arange(2800, dtype=torch.int32), 1, 8, block=16)
-    after = topk_module._BARRIERS[x.device]
-    assert after.numel() >= 70 * grid_module.HIST > before.numel() and not after.any()
-
-
-def test_grid_topk_compiles_for_sm90_without_spills(tmp_path):
-    """scripts/sass_topk.py in its own process (a real compile; the interpreter is on here): no
-    kernel of the grid top-k spills, and a round stays under 4000 instructions a 4096-key tile
-    (8-bit digits; 11-bit ones compiled to about 8000, tl.histogram's cost growing with its bins)."""
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton wheel carries no ptxas")
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(root / "scripts" / "sass_topk.py")], capture_output=True, text=True,
-                         env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-2000:]
-    st = json.loads(res.stdout)
-    assert set(st) == {"round0", "round1", "round2", "round3", "count", "write"}
-    assert all(k["stack"] == 0 for k in st.values()), st
-    assert all(st[f"round{r}"]["instructions"] < 4000 and st[f"round{r}"]["regs"] <= 128 for r in range(4)), st
-
-
-def test_grid_topk_bad_arguments():
-    x, lens = torch.zeros(2, 8), torch.tensor([8, 8], dtype=torch.int32)
-    indptr, indices = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-    for kw, msg in ((dict(block=100), r"block=100: must be a power of two in 16\.\.32768"),
-                    (dict(topk=0), r"topk=0: must be a positive integer")):
-        args = {"topk": 4, **kw}
-        with pytest.raises(ValueError, match=msg):
-            topk_grid(x, lens, indptr, indices, 8, args.pop("topk"), **args)
-    with pytest.raises(ValueError, match="logits has dtype torch.float64"):
-        topk_grid(x.double(), lens, indptr, indices, 8, 4)
-    with pytest.raises(ValueError, match=r"kv_lens has 1 entries; logits has B = 2 rows"):
-        topk_grid(x, lens[:1], indptr, indices, 8, 4)
 
 
 def test_keys_follow_float_order():
@@ -340,7 +255,7 @@ def test_bad_arguments():
     lens, indptr, indices = torch.tensor([8, 8], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), \
         torch.tensor([0, 1], dtype=torch.int32)
     batch = kvpool.DecodeBatch(indptr, indices, lens.clone(), lens, 8)
-    with pytest.raises(ValueError, match=r"topk_impl='cuda'; allowed: \['torch', 'triton', 'grid'\] or None"):
+    with pytest.raises(ValueError, match=r"topk_impl='cuda'; allowed: \['torch', 'triton'\] or None"):
         select_tokens(x, batch, 4, topk_impl="cuda")
     with pytest.raises(ValueError, match=r"topk_impl='candidates' needs the logits kernel"):
         select_tokens(x, batch, 4, topk_impl="candidates")
@@ -395,17 +310,6 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
         got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
-    for block in (4096, 2048, 8192):  # the grid top-k
-        got = topk_grid(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, block=block)
-        check_slots(batch, got)
-        _assert_gpu(got, x, batch, topk)
-    graph, static = torch.cuda.CUDAGraph(), {}
-    with torch.cuda.graph(graph):
-        static["out"] = topk_grid(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk)
-    for _ in range(2):  # replays: the histograms are left at zero by each
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        _assert_gpu(static["out"], x, batch, topk)
     for kw in (dict(), dict(sample=2048)):
         graph, static = torch.cuda.CUDAGraph(), {}
         topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)  # compiled, warm
