@@ -6,7 +6,7 @@
 
 Each sparse layer of a decode step: the indexer's logits over every context token (``index``),
 a top-k to ``index_topk`` token slots per request (``topk``: ``indexer.select_tokens``, its default:
-the Triton kernel on CUDA below 6M logits a layer, else ``torch.topk``), then MLA over those slots only,
+the Triton kernel on CUDA, ``torch.topk`` on a CPU), then MLA over those slots only,
 through a path (``full_pool_cast`` still casts the whole layer; ``gather_cast`` casts the selected
 rows; ``fp8_native`` reads them in place; ``bf16_pool`` on a pool kept in BF16). GLM-5's first
 ``first_k_dense_replace`` (3) layers are dense MLA without an indexer. A few layers are measured;

@@ -281,17 +281,14 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 TOPK_IMPLS = ("torch", "triton")
 
 
-TORCH_TOPK_MIN_TOKENS = 6_000_000  # batch x context past which torch.topk is faster (H200, run 10)
-
-
-def default_topk_impl(device, max_len: int = 0, batch_size: int = 1) -> str:
-    """The top-k when none is named: on CUDA the Triton kernel, faster than ``torch.topk`` on the H200
-    at 1-128 requests of 8K-128K up to 128 x 32K (4.2M logits: 80.5 us against 103.8), but not at
-    64 x 128K (8.4M: 159.8 against 150.6; ``scripts/gpu_topk.py``, run 10): ``torch.topk`` from
-    ``TORCH_TOPK_MIN_TOKENS`` logits a layer; on a CPU ``torch.topk``, where the kernel would run in
-    Triton's (slow) interpreter."""
-    on_gpu = torch.device(device).type == "cuda"
-    return "triton" if on_gpu and batch_size * max_len < TORCH_TOPK_MIN_TOKENS else "torch"
+def default_topk_impl(device) -> str:
+    """The top-k when none is named: on CUDA the Triton kernel, faster than the "torch" path
+    (``torch.topk``, then positions to token slots) at every shape ``scripts/gpu_topk.py`` measures,
+    1-128 requests of 8K-128K: 64 x 32K 47.7 us against 110.2, one request of 32K 14.7 against 75.1,
+    64 x 128K 161.3 against 196.5 (H200, run 21a; on an H100 in run 22a 156.8 against 206.8). Bare
+    ``torch.topk`` (151.0 at 64 x 128K) is faster than the kernel there, but its positions still
+    have to become slots. On a CPU ``torch.topk``: the kernel would run in Triton's (slow) interpreter."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
@@ -303,7 +300,7 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-    topk_impl = default_topk_impl(logits.device, batch.max_len, batch.batch_size) if topk_impl is None else topk_impl
+    topk_impl = default_topk_impl(logits.device) if topk_impl is None else topk_impl
     if topk_impl == "candidates":
         raise ValueError("topk_impl='candidates' needs the logits kernel, not finished logits: use "
                          "Indexer.topk(layer, 'triton', topk_impl='candidates') or logits_and_slots")
