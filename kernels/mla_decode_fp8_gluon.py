@@ -539,6 +539,13 @@ if HAS_GLUON:
         s = s * (qk_scale * tok_scale)[:, None] + gl.convert_layout(r, s_layout) * qk_rope
         # -1 slots and rows past the split's end arrive as zeros (the copies' zero fill), and a stored
         # row's scales are > 0 (kvlayout clamps amax): no slot load in the chain for the mask
+        return _ds_softmax_pv(s, tok_scale, m_i, l_i, v, acc, p_smem, NUM_WARPS, SPLIT)
+
+    @gluon.jit
+    def _ds_softmax_pv(s, tok_scale, m_i, l_i, v, acc, p_smem, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+        """fp8_ds_mla: the online-softmax update from the scaled scores s [64, BLOCK_H] and each token's
+        largest group scale (0: no token), then p @ V with V at that scale: the running max is over
+        s + log2(tok_scale), p carries the token scale, l sums the plain p."""
         valid = tok_scale > 0
         s = gl.where(valid[:, None], s, -float("inf"))
         w = s + gl.where(valid, gl.log2(gl.maximum(tok_scale, 1e-30)), 0.0)[:, None]
@@ -605,17 +612,8 @@ if HAS_GLUON:
         v = gl.reshape((v3.to(gl.float16) * ratio[:, :, None]).to(gl.float8e4nv), [64, 512])
         v = gl.convert_layout(v, _v_layout(NUM_WARPS))
 
-        tok_scale = gl.convert_layout(top, row)
         s = s * qk_scale + gl.convert_layout(r, s_layout) * qk_rope
-        valid = tok_scale > 0  # -1 slots and rows past the end arrive as zeros, scales included
-        s = gl.where(valid[:, None], s, -float("inf"))
-        w = s + gl.where(valid, gl.log2(gl.maximum(tok_scale, 1e-30)), 0.0)[:, None]
-        m_new = gl.maximum(m_i, gl.max(w, axis=0))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(w - m_use[None, :])  # p * tok_scale, at most 1
-        l_i = l_i * alpha[None, :] + gl.exp2(s - m_use[None, :])
-        return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
+        return _ds_softmax_pv(s, gl.convert_layout(top, row), m_i, l_i, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
