@@ -542,3 +542,10 @@ def test_ds_token_scale_arithmetic_matches_the_oracle():
     assert err < 1e-5, err  # the rescale's rounding alone: 3.8e-7 here (1.3e-6 with groups 2^10 apart)
     flat = (sc == sc[:, :1]).all()
     assert not flat  # the groups really differ within tokens
+    # ds_fold: the scores from the stored values group by group (sum_g scale_g * q_g . k_g), V as above
+    k = kvlayout.ds_nope(packed).double() * sc.repeat_interleave(128, -1)
+    s2f = (sm / math.log(2)) * (q[:, :512] @ k.T + q[:, 512:] @ rope.T)
+    wf = s2f + torch.log2(tok)[None, :]
+    mf = wf.amax(-1, keepdim=True)
+    out_f = (torch.exp2(wf - mf) @ v) / torch.exp2(s2f - mf).sum(-1, keepdim=True)
+    assert reference.rel_err(out_f, ref) <= err * 1.5 + 1e-9  # the scores exact: only V's rescale is left
