@@ -487,6 +487,26 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _group_col(x, g: gl.constexpr, layout: gl.constexpr):
+        """Column g of x [64, 4] as a [64] vector in ``layout``."""
+        col = gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))
+        return gl.convert_layout(gl.sum(gl.where(col[None, :] == g, x, 0.0), axis=1), layout)
+
+    @gluon.jit
+    def _ds_ratio(sc):
+        """sc [64, 4] group scales -> each token's largest (0: no token) and every group's ratio to it."""
+        top = gl.max(sc, axis=1)
+        return top, gl.where(top[:, None] > 0, sc / gl.maximum(top, 1e-30)[:, None], 0.0)
+
+    @gluon.jit
+    def _issue_rope(rope, qr_smem, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """fp8_ds_mla: the RoPE scores, rope [64, 64] bf16 tile @ q_pe^T (a BF16 MMA, k 16), issued."""
+        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])
+        return warpgroup_mma(rope, qr_smem.permute((1, 0)), gl.zeros([64, BLOCK_H], gl.float32, r_layout),
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
     def _ds_rescale_smem(ckv, sc, NUM_WARPS: gl.constexpr):
         """fp8_ds_mla: ckv [64, 512] e4m3 in shared memory, sc [64, 4] its tokens' fp32 group scales:
         every group brought to its token's largest scale in place (x 2^-k: exact unless a value drops
@@ -495,12 +515,9 @@ if HAS_GLUON:
         the output accumulator spilled (run 17e: 1.6-1.9x slower)."""
         g_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])  # [64, 128]
         s4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
-        g = sc.load(s4)
-        top = gl.max(g, axis=1)
-        ratio = gl.where(top[:, None] > 0, g / gl.maximum(top, 1e-30)[:, None], 0.0)
-        col = gl.arange(0, 4, layout=gl.SliceLayout(0, s4))
+        _top, ratio = _ds_ratio(sc.load(s4))
         for i in gl.static_range(4):
-            r = gl.convert_layout(gl.sum(gl.where(col[None, :] == i, ratio, 0.0), axis=1), gl.SliceLayout(1, g_layout))
+            r = _group_col(ratio, i, gl.SliceLayout(1, g_layout))
             part = ckv.slice(i * 128, 128, dim=1)
             x = part.load(g_layout)
             part.store((x.to(gl.float16) * r.to(gl.float16)[:, None]).to(gl.float8e4nv))
@@ -524,10 +541,7 @@ if HAS_GLUON:
                           use_acc=False, is_async=True)
         if SPLIT:
             s = warpgroup_mma(ckv, qn_smem.index(1).permute((1, 0)), s, is_async=True)
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
-                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
-        r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
-                          gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
+        r = _issue_rope(ds_ring[0].index(slot), qr_smem, BLOCK_H, NUM_WARPS)
         v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3, rescaled, under the MMAs
         # the token's largest group scale again, from shared memory (registers are what this kernel lacks)
         tl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
@@ -557,12 +571,6 @@ if HAS_GLUON:
         return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
     @gluon.jit
-    def _group_col(x, g: gl.constexpr, layout: gl.constexpr):
-        """Column g of x [64, 4] as a [64] vector in ``layout``."""
-        col = gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))
-        return gl.convert_layout(gl.sum(gl.where(col[None, :] == g, x, 0.0), axis=1), layout)
-
-    @gluon.jit
     def _group_score(ckv, qn_smem, g: gl.constexpr, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
                      SPLIT: gl.constexpr):
         """Scores of the tile's 128-column group g alone (its own accumulator), issued."""
@@ -589,10 +597,7 @@ if HAS_GLUON:
         ckv = ring[0].index(slot)
         a0 = _group_score(ckv, qn_smem, 0, s_layout, BLOCK_H, SPLIT)
         a1 = _group_score(ckv, qn_smem, 1, s_layout, BLOCK_H, SPLIT)
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
-                                                           instr_shape=[16, BLOCK_H * 4 // NUM_WARPS, 16])  # BF16: k 16
-        r = warpgroup_mma(ds_ring[0].index(slot), qr_smem.permute((1, 0)),
-                          gl.zeros([64, BLOCK_H], gl.float32, r_layout), use_acc=False, is_async=True)
+        r = _issue_rope(ds_ring[0].index(slot), qr_smem, BLOCK_H, NUM_WARPS)
         tl4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
         sc = ds_ring[1].index(slot).load(tl4)  # [64, 4] fp32 group scales
         a0, a1, r = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, r))
@@ -601,14 +606,13 @@ if HAS_GLUON:
         a3 = _group_score(ckv, qn_smem, 3, s_layout, BLOCK_H, SPLIT)
         a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a2, a3))
         s = s + a2 * _group_col(sc, 2, row)[:, None] + a3 * _group_col(sc, 3, row)[:, None]
-        top = gl.max(sc, axis=1)
+        top, ratio = _ds_ratio(sc)
         v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3 as stored
         _cta_barrier()  # every warp is done with the slot: refill it
         _gather_ds(ring, ds_ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
         # V's groups to the token's largest scale (x 2^-k, as _ds_rescale_smem), in registers
-        ratio = gl.where(top[:, None] > 0, sc / gl.maximum(top, 1e-30)[:, None], 0.0).to(gl.float16)
         v3 = gl.reshape(v, [64, 4, 128])
-        ratio = gl.convert_layout(ratio, gl.SliceLayout(2, v3.type.layout))
+        ratio = gl.convert_layout(ratio.to(gl.float16), gl.SliceLayout(2, v3.type.layout))
         v = gl.reshape((v3.to(gl.float16) * ratio[:, :, None]).to(gl.float8e4nv), [64, 512])
         v = gl.convert_layout(v, _v_layout(NUM_WARPS))
 

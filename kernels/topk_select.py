@@ -303,25 +303,6 @@ def _check(name, t, dtype, dims):
         raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
 
 
-def _check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, block) -> tuple[int, int]:
-    """Refuse a top-k call's bad arguments by name (the two top-k's share them); (B, max_len)."""
-    _check("logits", logits, torch.float32, 2)
-    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-        _check(name, t, torch.int32, 1)
-    B, T = logits.shape
-    if kv_lens.numel() != B:
-        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
-    if kv_indptr.numel() != B + 1:
-        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
-    if T > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    for name, v in (("topk", topk), ("page_size", page_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be a positive integer")
-    _pow2("block", block, 16)
-    return B, T
-
-
 def _pow2(name, v, low):
     if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1) or v >= 1 << 16:
         raise ValueError(f"{name}={v!r}: must be a power of two in {low}..32768")
@@ -334,8 +315,8 @@ COUNTS = {"histogram": 0, "atomic": 1}  # topk_select(count=): how the row round
 def _barriers(device, n: int) -> torch.Tensor:
     """At least n zeroed int32 barrier counts on ``device``, made once and kept: the kernel leaves them
     at zero, so a captured graph needs no memset (2.6 us a replay on the H200). Shared with
-    ``index_sample`` (its arrival counts), also left at zero:
-    calls on one device must not overlap in time (one stream), or they would share them."""
+    ``index_sample`` (its arrival counts, also left at zero): calls on one device must not overlap
+    in time (one stream), or they would share them."""
     t = _BARRIERS.get(device)
     if t is None or t.shape[0] < n:
         t = _BARRIERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
@@ -392,7 +373,20 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     Scratch: 8 * B * max_len bytes (candidate keys and slots); with splits > 1, B * splits *
     16 / digit_bits histograms of 2^digit_bits int32 and the device's barrier counts (``_barriers``).
     """
-    B, T = _check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, block)
+    _check("logits", logits, torch.float32, 2)
+    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        _check(name, t, torch.int32, 1)
+    B, T = logits.shape
+    if kv_lens.numel() != B:
+        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
+    if kv_indptr.numel() != B + 1:
+        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
+    if T > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
+    for name, v in (("topk", topk), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    _pow2("block", block, 16)
     _pow2("cand_block", cand_block, 16)
     if digit_bits not in (2, 4, 8):
         raise ValueError(f"digit_bits={digit_bits!r}: must be 2, 4 or 8")

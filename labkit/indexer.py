@@ -328,7 +328,8 @@ def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> 
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "
                          f">= {batch.max_len}) (requests, longest context)")
-    return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk)
+    return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size,
+                       index_topk)
 
 
 def _at(mask: torch.Tensor, token_indices: torch.Tensor) -> str:
