@@ -331,15 +331,45 @@ def default_count(batch_size: int) -> str:
     return "atomic" if batch_size == 1 else "histogram"
 
 
-def auto_splits(batch_size: int, max_len: int, device) -> int:
-    """Programs per request: as many as fit beside the batch's other requests on the GPU's SMs
-    (they wait for each other, so all must be resident at once), parts of >= 1024 positions, at
-    most 64; 1 on a CPU (Triton's interpreter runs programs one after another)."""
+def auto_splits(batch_size: int, max_len: int, device, per_sm: int = 1) -> int:
+    """Programs per request: as many as fit beside the batch's other requests on the GPU's SMs,
+    ``per_sm`` programs an SM (they wait for each other, so all must be resident at once), parts
+    of >= 1024 positions, at most 64; 1 on a CPU (Triton's interpreter runs programs one after
+    another)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
+    return max(1, min(sms * per_sm // max(batch_size, 1), -(-max_len // 1024), 64))
+
+
+def resident_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
+                    smem_per_sm: int = 233472) -> int:
+    """Programs of a compiled kernel that an SM holds at once (sm_90 rules: registers allocated
+    per warp in units of 256, 1 KB of shared memory reserved a CTA, at most 32 CTAs)."""
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // warp_regs // num_warps
+    by_threads = threads_per_sm // (32 * num_warps)
+    by_smem = smem_per_sm // (shared + 1024)
+    return max(0, min(by_regs, by_threads, by_smem, 32))
+
+
+_RESIDENT: dict = {}  # (device, kernel specialization) -> programs an SM
+
+
+def _resident(kernel_args: tuple, consts: dict, grid, device) -> int:
+    """``resident_per_sm`` of the kernel these arguments compile to (compiled once, here)."""
+    key = (device, tuple(sorted(consts.items())), tuple(a % 16 if isinstance(a, int) else a.data_ptr() % 16
+                                                        for a in kernel_args))  # what Triton specializes on
+    if key not in _RESIDENT:
+        k = _topk_radix_kernel.warmup(*kernel_args, grid=grid, **consts)
+        k._init_handles()  # loads the binary: n_regs is known from then on
+        p = torch.cuda.get_device_properties(device)
+        _RESIDENT[key] = resident_per_sm(k.n_regs, k.metadata.shared, consts["num_warps"],
+                                         getattr(p, "regs_per_multiprocessor", 65536),
+                                         getattr(p, "max_threads_per_multi_processor", 2048),
+                                         getattr(p, "shared_memory_per_multiprocessor", 233472))
+    return _RESIDENT[key]
 
 
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
@@ -418,9 +448,6 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
     if splits > 1 and logits.device.type != "cuda":
         raise ValueError(f"splits={splits}: more than 1 needs a GPU (a request's programs wait for each other)")
-    if splits > 1 and B * splits > torch.cuda.get_device_properties(logits.device).multi_processor_count:
-        raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the GPU's SMs; "
-                         "they wait for each other, so all must be resident")
     out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
     if B == 0:
         return out
@@ -435,8 +462,14 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     code = COUNTS[count]
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
-    _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
-                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
-                                    SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs,
-                                    num_warps=num_warps)
+    args = (logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap, hist, bar, topk, chunk)
+    consts = dict(PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits, SPLITS=splits,
+                  SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs, num_warps=num_warps)
+    if splits > 1:  # a request's programs wait for each other: the whole grid must be resident at once
+        room = torch.cuda.get_device_properties(dev).multi_processor_count * _resident(args, consts, (B, splits), dev)
+        if B * splits > room:
+            raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the {room} the GPU holds at "
+                             f"once with block={block}, num_warps={num_warps}; they wait for each other, so all "
+                             "must be resident")
+    _topk_radix_kernel[(B, splits)](*args, **consts)
     return out
