@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .topk_select import _check, _key
 
@@ -37,14 +38,30 @@ INDEX_PAGE = 64  # tokens per index-key page
 
 
 @triton.jit
-def _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE: tl.constexpr, D: tl.constexpr):
-    """Logits [BLOCK_T] f32 of the tokens ``tok`` [BLOCK_T] (global ids) for the query q_t [D, H_PAD]
-    fp8 and head weights w [H_PAD] f32: one FP8 dot over the heads, relu, weighted sum, key scale."""
-    ip, row = tok // IPAGE, tok % IPAGE
-    k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + tl.arange(0, D)[None, :])  # [BLOCK_T, D] fp8
-    scale = tl.load(s_ptr + ip * stride_sp + row)  # [BLOCK_T] f32
+def _logits_of(k, scale, q_t, w):
+    """Logits [BLOCK_T] f32 of keys k [BLOCK_T, D] fp8 with their scales [BLOCK_T] for the query q_t
+    [D, H_PAD] fp8 and head weights w [H_PAD] f32: one FP8 dot over the heads, relu, weighted sum."""
     s = tl.dot(k, q_t)  # [BLOCK_T, H_PAD] f32, FP8 products exact, fp32 sums
     return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+
+
+@triton.jit
+def _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE: tl.constexpr, D: tl.constexpr):
+    """``_logits_of`` the tokens ``tok`` [BLOCK_T] (global ids), their keys gathered row by row."""
+    ip, row = tok // IPAGE, tok % IPAGE
+    k = tl.load(k_ptr + (ip * stride_kp + row * D)[:, None] + tl.arange(0, D)[None, :])  # [BLOCK_T, D] fp8
+    return _logits_of(k, tl.load(s_ptr + ip * stride_sp + row), q_t, w)
+
+
+@triton.jit
+def _tile_logits_tma(k_desc, s_ptr, tok0, q_t, w, stride_sp, IPAGE: tl.constexpr, D: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    """``_logits_of`` BLOCK_T consecutive tokens from tok0 (a multiple of IPAGE): whole index pages,
+    whose keys come by one TMA copy (a [BLOCK_T / IPAGE, IPAGE, D] box of the page-strided keys)."""
+    ip = (tok0 // IPAGE).to(tl.int32)
+    k = k_desc.load([ip, 0, 0]).reshape(BLOCK_T, D)
+    j = tl.arange(0, BLOCK_T)
+    return _logits_of(k, tl.load(s_ptr + (ip + j // IPAGE).to(tl.int64) * stride_sp + j % IPAGE), q_t, w)
 
 
 @triton.jit
@@ -52,6 +69,7 @@ def _index_logits_kernel(
     q_ptr,  # *fp8e4nv [B, H_PAD, D], contiguous; heads >= H are zero
     w_ptr,  # *f32 [B, H_PAD], contiguous; heads >= H are zero
     k_ptr,  # *fp8e4nv index keys: page stride stride_kp, row stride D, values contiguous
+    k_desc,  # TMA: a descriptor of the same keys, [index pages, IPAGE, D], box [BLOCK_T / IPAGE, IPAGE, D]
     s_ptr,  # *f32 index-key scales: page stride stride_sp, rows contiguous
     indptr_ptr,  # *i32 [B + 1]
     indices_ptr,  # *i32 [nnz] KV page ids
@@ -76,6 +94,7 @@ def _index_logits_kernel(
     NUM_STAGES: tl.constexpr,  # their loads in flight (tl.range's software pipelining)
     CAND: tl.constexpr,  # also append the logits at or above t16 to the candidates
     COPY: tl.constexpr,  # a power of two >= TILES * BLOCK_T (CAND)
+    TMA: tl.constexpr,  # keys by TMA (PAGE a multiple of BLOCK_T, BLOCK_T of IPAGE): a tile is whole index pages
 ):
     pid_t, b = tl.program_id(0), tl.program_id(1)
     n = tl.load(lens_ptr + b)
@@ -95,10 +114,16 @@ def _index_logits_kernel(
     live = tl.minimum(tl.maximum(tl.cdiv(n, BLOCK_T) - t0, 0), TILES)  # tiles that hold context
     for t in tl.range(0, live, num_stages=NUM_STAGES):
         pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
-        pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
-        page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
-        tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
-        logit = _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE, D)
+        if TMA:  # the tile is within one KV page: its tokens are consecutive
+            p0 = (t0 + t) * BLOCK_T
+            tok0 = tl.load(indices_ptr + start + p0 // PAGE).to(tl.int64) * PAGE + p0 % PAGE
+            tok = tok0 + tl.arange(0, BLOCK_T)
+            logit = _tile_logits_tma(k_desc, s_ptr, tok0, q_t, w, stride_sp, IPAGE, D, BLOCK_T)
+        else:
+            pc = tl.minimum(pos, n - 1)  # dead lanes re-read the last token: no masked loads
+            page = tl.load(indices_ptr + start + pc // PAGE).to(tl.int64)
+            tok = page * PAGE + pc % PAGE  # [BLOCK_T] global token ids
+            logit = _tile_logits(k_ptr, s_ptr, tok, q_t, w, stride_kp, stride_sp, IPAGE, D)
         logit = tl.where(pos < n, logit, float("-inf"))
         tl.store(out_ptr + b * max_len + pos, logit, mask=pos < max_len)
         if CAND:
@@ -134,7 +159,7 @@ def auto_tiles(batch: int, max_len: int, block_t: int, device) -> int:
 
 def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, page_size: int,
                  max_len: int, *, block_t: int = 64, tiles: int | None = None, num_stages: int | None = None,
-                 num_warps: int = 4, candidates: tuple | None = None) -> torch.Tensor:
+                 num_warps: int = 4, candidates: tuple | None = None, tma: bool = False) -> torch.Tensor:
     """Indexer logits of a decode batch, read straight from the paged FP8 index cache.
 
     Parameters
@@ -155,6 +180,8 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
         t16[b] are appended to crow[b] (their token slots to cslot[b]) in no set order, and
         count[b] ends as how many (module docstring). Staging rows as large as crow and cslot are
         allocated for the call.
+    tma : the keys by TMA, a tile of whole index pages a copy (``block_t`` 64 or 128 and a multiple of
+        the page, ``page_size`` a multiple of ``block_t``, k_idx 16-byte aligned) instead of row by row.
 
     Returns
     -------
@@ -180,6 +207,10 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
         raise ValueError(f"block_t={block_t}: must be a power of two >= 16")
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         _check(name, t, torch.int32, 1)
+    if tma and (block_t not in (64, 128) or page_size % block_t or k_idx.data_ptr() % 16 or k_idx.stride(0) % 16):
+        raise ValueError(f"tma=True reads tiles of whole index pages: block_t must be 64 or 128 and divide "
+                         f"page_size, k_idx 16-byte aligned; got block_t={block_t}, page_size={page_size}, "
+                         f"page stride {k_idx.stride(0)} B, address {k_idx.data_ptr()} mod 16 = {k_idx.data_ptr() % 16}")
     q, w = pad_heads(q_idx, weights)  # tl.dot needs N >= 16
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:
@@ -191,11 +222,13 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     num_stages = (2 if tiles > 1 else 1) if num_stages is None else num_stages
     staging = (torch.empty_like(cand[1]), torch.empty_like(cand[2])) if candidates is not None else cand[:2]
     grid = (triton.cdiv(max_len, block_t * tiles), B)
+    k_desc = TensorDescriptor.from_tensor(k_idx, [block_t // INDEX_PAGE, INDEX_PAGE, D]) if tma else k_idx
     _index_logits_kernel[grid](
-        q, w, k_idx, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
+        q, w, k_idx, k_desc, k_scale, kv_indptr, kv_indices, kv_lens, out, max_len,
         k_idx.stride(0), k_scale.stride(0), *cand, *staging, cand[1].stride(0) if candidates is not None else 0,
         PAGE=page_size, IPAGE=INDEX_PAGE, D=D, H_PAD=q.shape[1], BLOCK_T=block_t, TILES=tiles, NUM_STAGES=num_stages,
-        CAND=candidates is not None, COPY=triton.next_power_of_2(tiles * block_t), num_warps=num_warps,
+        CAND=candidates is not None, COPY=triton.next_power_of_2(tiles * block_t), TMA=bool(tma),
+        num_warps=num_warps,
     )
     return out
 

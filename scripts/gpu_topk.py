@@ -72,6 +72,10 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     # the logits kernel alone (81% of copy at 64 x 32K on the H200, run 10): tiles, stages, warps
     "lg_bt128": dict(logits=dict(block_t=128)), "lg_s3": dict(logits=dict(num_stages=3)),
     "lg_w8": dict(logits=dict(num_warps=8)), "lg_bt128_w8": dict(logits=dict(block_t=128, num_warps=8)),
+    # the keys by TMA, a whole index page a copy (index_logits(tma=True)), not row by row
+    "lg_tma": dict(logits=dict(tma=True)), "lg_tma_s3": dict(logits=dict(tma=True, num_stages=3)),
+    "lg_tma_s4": dict(logits=dict(tma=True, num_stages=4)), "lg_tma_w8": dict(logits=dict(tma=True, num_warps=8)),
+    "lg_tma_t4": dict(logits=dict(tma=True, tiles=4)), "lg_tma_t16_s3": dict(logits=dict(tma=True, tiles=16, num_stages=3)),
     "lg_t4": dict(logits=dict(tiles=4)), "lg_t16_s3": dict(logits=dict(tiles=16, num_stages=3)),
     # 128-position tiles (run 21 on the H200: 75.9 against 79.8 us at 64 x 32K): their tile count, wider ones
     "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),

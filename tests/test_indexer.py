@@ -129,6 +129,15 @@ def test_logits_torch_and_triton_vs_reference(page_size, poisoned):
     got = index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
                        b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=32, tiles=3)
     _check_logits(got, ix.logits(0, "reference"), _bound(ix, 0))
+    if page_size % 64 == 0:  # whole index pages by TMA (a descriptor copy in the interpreter)
+        for block_t in (64, page_size):
+            got = index_logits(ix.q_idx[1], ix.weights[1], ix.cache.k_idx(1), ix.cache.k_scale(1), b.kv_indptr,
+                               b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=block_t, tiles=2, tma=True)
+            _check_logits(got, ix.logits(1, "reference"), _bound(ix, 1))
+    else:
+        with pytest.raises(ValueError, match=f"tma=True reads tiles of whole index pages: .* page_size={page_size}"):
+            index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
+                         b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=64, tma=True)
 
 
 def test_logits_follow_token_ids_not_pages():
@@ -397,7 +406,10 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
     b = ix.batch
     got = index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
                        b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=block_t)
-    for logits in (got, ix.logits(0, "torch")):
+    extra = [index_logits(ix.q_idx[0], ix.weights[0], ix.cache.k_idx(0), ix.cache.k_scale(0), b.kv_indptr,
+                          b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=block_t, tma=True)] \
+        if page_size % 64 == 0 and block_t in (64, 128) else []
+    for logits in [got, ix.logits(0, "torch")] + extra:
         _check_logits(logits.cpu(), ref, bound)
         slots = select_tokens(logits, b, cfg.index_topk)
         _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
