@@ -23,7 +23,9 @@ histogram, all sum the same histograms and take the same digit; after the last r
 every part's counts, so parts write their slots and candidates at fixed offsets (the output order
 does not depend on timing). Program 0 waits for the others and finishes the candidates. The
 programs of a request spin on each other, so all must be resident at once: B * splits is at most
-the SM count (``auto_splits``), and the interpreter (one program after another) takes splits = 1.
+the SMs times the programs an SM holds (``resident_per_sm``, from the compiled kernel's registers
+and shared memory; ``auto_splits`` takes one an SM), and the interpreter (one program after
+another) takes splits = 1.
 
 Prefilter (``sample``). Most of a long row cannot be in its top-k: ``topk_prefilter`` keeps, in one
 pass, the logits at or above a threshold sampled from the row (exact: every key left out is below
@@ -385,9 +387,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         int32 KV page ids (the decode batch's page table).
     page_size : KV page size (>= 1); topk : slots per request (>= 1).
     splits : programs per request (None: ``auto_splits``; > 1 only on a GPU, with B * splits at
-        most its SM count); block : logits per tile of the row passes; cand_block : candidates per
-        tile (powers of two 16..32768); digit_bits : bits per radix round over the row (2, 4, 8);
-        num_warps.
+        most what it holds at once, ``resident_per_sm``); block : logits per tile of the row passes;
+        cand_block : candidates per tile (powers of two 16..32768); digit_bits : bits per radix
+        round over the row (2, 4, 8); num_warps.
     count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``) or "atomic"
         (one atomic add a key into the part's counters); None: ``default_count``.
     sample : 0, or a power of two 16..8192: first keep each request's candidates by a threshold
