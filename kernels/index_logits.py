@@ -210,7 +210,7 @@ def index_logits(q_idx, weights, k_idx, k_scale, kv_indptr, kv_indices, kv_lens,
     if tma and (block_t not in (64, 128) or page_size % block_t or k_idx.data_ptr() % 16 or k_idx.stride(0) % 16):
         raise ValueError(f"tma=True reads tiles of whole index pages: block_t must be 64 or 128 and divide "
                          f"page_size, k_idx 16-byte aligned; got block_t={block_t}, page_size={page_size}, "
-                         f"page stride {k_idx.stride(0)} B, address {k_idx.data_ptr()} mod 16 = {k_idx.data_ptr() % 16}")
+                         f"page stride {k_idx.stride(0)} B, address mod 16 = {k_idx.data_ptr() % 16}")
     q, w = pad_heads(q_idx, weights)  # tl.dot needs N >= 16
     out = torch.empty(B, max_len, dtype=torch.float32, device=q_idx.device)
     if B == 0 or max_len == 0:

@@ -69,7 +69,7 @@ class DsaLab:
         return (f"{self.lab.summary()}; {pool.kv_layout} ({pool.bytes_per_token} B/token); DSA: "
                 f"{c.index_n_heads} index heads x {c.index_head_dim}, top-{self.topk} "
                 f"({self.sparse.tokens_read:,} of {self.sparse.num_tokens:,} context tokens read), "
-                f"indexer {self.index_impl}, top-k {self.topk_impl or 'by size'}")
+                f"indexer {self.index_impl}, top-k {self.topk_impl or 'by device'}")
 
 
 def index_impl(impl: str, device: str) -> str:
