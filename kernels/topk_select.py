@@ -361,8 +361,8 @@ _RESIDENT: dict = {}  # (device, kernel specialization) -> programs an SM
 
 def _resident(kernel_args: tuple, consts: dict, grid, device) -> int:
     """``resident_per_sm`` of the kernel these arguments compile to (compiled once, here)."""
-    key = (device, tuple(sorted(consts.items())), tuple(a % 16 if isinstance(a, int) else a.data_ptr() % 16
-                                                        for a in kernel_args))  # what Triton specializes on
+    key = (device, tuple(sorted(consts.items())),  # and what Triton specializes on: alignment, ints of 1
+           tuple((a % 16, a == 1) if isinstance(a, int) else a.data_ptr() % 16 for a in kernel_args))
     if key not in _RESIDENT:
         k = _topk_radix_kernel.warmup(*kernel_args, grid=grid, **consts)
         k._init_handles()  # loads the binary: n_regs is known from then on
