@@ -130,7 +130,7 @@ def test_logits_torch_and_triton_vs_reference(page_size, poisoned):
                        b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=32, tiles=3)
     _check_logits(got, ix.logits(0, "reference"), _bound(ix, 0))
     if page_size % 64 == 0:  # whole index pages by TMA (a descriptor copy in the interpreter)
-        for block_t in (64, page_size):
+        for block_t in sorted({64, page_size}):
             got = index_logits(ix.q_idx[1], ix.weights[1], ix.cache.k_idx(1), ix.cache.k_scale(1), b.kv_indptr,
                                b.kv_indices, b.kv_lens, page_size, b.max_len, block_t=block_t, tiles=2, tma=True)
             _check_logits(got, ix.logits(1, "reference"), _bound(ix, 1))
