@@ -113,9 +113,9 @@ def _index_logits_kernel(
         c = seg * 0
     live = tl.minimum(tl.maximum(tl.cdiv(n, BLOCK_T) - t0, 0), TILES)  # tiles that hold context
     for t in tl.range(0, live, num_stages=NUM_STAGES):
-        pos = (t0 + t) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
+        p0 = (t0 + t) * BLOCK_T
+        pos = p0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions in the context
         if TMA:  # the tile is within one KV page: its tokens are consecutive
-            p0 = (t0 + t) * BLOCK_T
             tok0 = tl.load(indices_ptr + start + p0 // PAGE).to(tl.int64) * PAGE + p0 % PAGE
             tok = tok0 + tl.arange(0, BLOCK_T)
             logit = _tile_logits_tma(k_desc, s_ptr, tok0, q_t, w, stride_sp, IPAGE, D, BLOCK_T)

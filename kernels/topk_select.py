@@ -333,16 +333,15 @@ def default_count(batch_size: int) -> str:
     return "atomic" if batch_size == 1 else "histogram"
 
 
-def auto_splits(batch_size: int, max_len: int, device, per_sm: int = 1) -> int:
-    """Programs per request: as many as fit beside the batch's other requests on the GPU's SMs,
-    ``per_sm`` programs an SM (they wait for each other, so all must be resident at once), parts
-    of >= 1024 positions, at most 64; 1 on a CPU (Triton's interpreter runs programs one after
-    another)."""
+def auto_splits(batch_size: int, max_len: int, device) -> int:
+    """Programs per request: as many as fit beside the batch's other requests on the GPU's SMs
+    (they wait for each other, so all must be resident at once), parts of >= 1024 positions, at
+    most 64; 1 on a CPU (Triton's interpreter runs programs one after another)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms * per_sm // max(batch_size, 1), -(-max_len // 1024), 64))
+    return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
 
 
 def resident_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,

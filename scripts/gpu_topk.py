@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The DSA indexer's logits and top-k on one GPU: ``torch.topk`` beside the Triton top-k's
-(labkit.kernels.topk_select, the candidates from the logits kernel) at 1 and 64 requests of 8K, 32K and 128K tokens (GLM-5: 32 index heads
-x 128, top-2048, KV pages of 64, pages scattered). Per shape, first the check: the Triton slots of
-every request against torch.topk's values (the logits at the slots, sorted, equal to the top-k
-values: the same set up to ties), then CUDA-graph medians over rotating layers
-(labkit.timing.graph_times) of: the logits kernel, bare torch.topk, select_tokens with each top-k,
-and logits + top-k captured together.
+(labkit.kernels.topk_select, the candidates from the logits kernel) at 1 and 64 requests of 8K,
+32K and 128K tokens (GLM-5: 32 index heads x 128, top-2048, KV pages of 64, pages scattered). Per
+shape, first the check: the Triton slots of every request against torch.topk's values (the logits
+at the slots, sorted, equal to the top-k values: the same set up to ties), then CUDA-graph medians
+over rotating layers (labkit.timing.graph_times) of: the logits kernel, bare torch.topk,
+select_tokens with each top-k, and logits + top-k captured together.
 Targets (logits + top-k): 20 us at 1 x 32K, 110 us at 64 x 32K.
 A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every row.
 
