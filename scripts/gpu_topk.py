@@ -46,9 +46,9 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "w4": dict(num_warps=4), "w16": dict(num_warps=16), "db4": dict(digit_bits=4), "db4_w16": dict(digit_bits=4, num_warps=16),
     "b1024": dict(block=1024), "b16k": dict(block=16384), "cb256": dict(cand_block=256),
     # several programs an SM (a request's programs must all be resident: topk_select checks the compiled
-    # kernel's registers; 2048-key tiles take 101 a thread at 8 warps, two programs an SM; 1024-key, 64)
+    # kernel's registers; scripts/sass_indexer.py: 2048-key tiles two programs an SM at 8 warps, 1024-key three)
     "s4_b2k": dict(splits=4, block=2048), "s3_b2k": dict(splits=3, block=2048), "s2_b2k": dict(splits=2, block=2048),
-    "s4_b1k": dict(splits=4, block=1024), "s6_b1k": dict(splits=6, block=1024), "s8_b1k": dict(splits=8, block=1024),
+    "s4_b1k": dict(splits=4, block=1024), "s6_b1k": dict(splits=6, block=1024),
     "s2_b1k": dict(splits=2, block=1024), "s4_b2k_w4": dict(splits=4, block=2048, num_warps=4),
     # the row rounds counted by atomics (one a key)
     "atomic": dict(count="atomic"), "atomic_w16": dict(count="atomic", num_warps=16),

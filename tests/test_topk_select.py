@@ -7,7 +7,12 @@ as -inf. The CPU tests run Triton's interpreter at small sizes; the GPU test at 
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,6 +303,23 @@ def test_resident_per_sm_follows_sm90_occupancy_rules():
     assert resident_per_sm(32, 100 * 1024, 4) == 2  # shared memory: 233472 // (102400 + 1024)
     assert resident_per_sm(255, 0, 4) == 2  # 32 x 256 a warp: 8 warps
     assert resident_per_sm(255, 0, 16) == 0  # 16 warps of 255 registers do not fit an SM at all
+
+
+def test_tiles_of_2048_keys_fit_two_programs_an_sm(tmp_path):
+    """scripts/sass_indexer.py in its own process (a real compile for sm_90; the interpreter is on
+    here): at 8 warps, 2048-key tiles leave two programs an SM, so four a request fit 64 requests on
+    an H200's 132 SMs (the s4_b2k tuning), and nothing spills."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(root / "scripts" / "sass_indexer.py"), "topk", "--block", "2048",
+                          "--splits", "4"], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    st = json.loads(res.stdout)
+    assert st["per_sm"] >= 2 and st["stack"] == 0, (st["regs"], st["shared"], st["stack"])
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
