@@ -4,7 +4,8 @@
 # the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk cand"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk cand fold folda first"
+#                                            # TOPK_ARGS / GLUON_ARGS: extra arguments of those two scripts
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
 # first with ../shared/tools/device-wheels.sh pytest-xdist (-> .whl/) and, for the FlashInfer peers,
@@ -58,9 +59,16 @@ for s in $stages; do
              tests/test_topk_select.py} ;;
     rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
-    gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ;;
+    gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ${GLUON_ARGS:-} ;;
+    # the 656-byte layout's group scales folded into the MMAs (ds_fold), sparse, in both precisions
+    fold) stage fold "${T_fold:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/fold" --sparse \
+            --kv-layout fp8_ds_mla --variants default fold fold_w4 fold_w8 ;;
+    folda) stage folda "${T_folda:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/folda" --accurate \
+            --kv-layout fp8_ds_mla --variants default fold fast_fold ;;
+    # the first-timed artefact: the same launch timed after a float64 reference, idle, fp32 load, a freed alloc
+    first) stage first "${T_first:-120}" python3 scripts/gpu_first_timing.py --out "$run_dir/first" ;;
     # the DSA indexer's logits and top-k beside torch.topk (run 10: about 60 s)
-    topk) stage topk "${T_topk:-150}" python3 scripts/gpu_topk.py --out "$run_dir/topk" ;;
+    topk) stage topk "${T_topk:-150}" python3 scripts/gpu_topk.py --out "$run_dir/topk" ${TOPK_ARGS:-} ;;
     # the parts of logits + top-k with the logits kernel's candidates (run 20: about 15 s a shape)
     cand) stage cand "${T_cand:-100}" python3 scripts/gpu_cand_parts.py --shapes 64x32768 1x32768 64x131072 ;;
   esac
