@@ -4,7 +4,7 @@
 # the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="bench notebooks tests kernels gluon topk cand fold folda first"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="warm bench notebooks tests rows kernels gluon topk cand fold folda first"
 #                                            # TOPK_ARGS / GLUON_ARGS: extra arguments of those two scripts
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
