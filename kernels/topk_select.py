@@ -466,8 +466,10 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     args = (logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap, hist, bar, topk, chunk)
     consts = dict(PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits, SPLITS=splits,
                   SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs, num_warps=num_warps)
-    if splits > 1:  # a request's programs wait for each other: the whole grid must be resident at once
-        room = torch.cuda.get_device_properties(dev).multi_processor_count * _resident(args, consts, (B, splits), dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if splits > 1 else 0
+    if B * splits > sms > 0:  # a request's programs wait for each other: all must be resident at once
+        # (one an SM always is, so the compiled kernel's occupancy is asked for only past the SM count)
+        room = sms * _resident(args, consts, (B, splits), dev)
         if B * splits > room:
             raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the {room} the GPU holds at "
                              f"once with block={block}, num_warps={num_warps}; they wait for each other, so all "
