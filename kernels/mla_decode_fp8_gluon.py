@@ -33,9 +33,6 @@ so that V never goes through shared memory a second time:
   logits, its p (the running max is over scores + log2 scale, l sums the plain p); a token whose
   scales are zero (a -1 slot, zero-filled) is masked. Measured (H100, run 17g) 1.25-1.8x the
   per-tensor rows' time: the rescale's round trip and barrier sit before every tile's score MMA.
-  ``ds_fold`` (``DS_FOLD``, off) folds the scales instead: four group score MMAs (K = 128, two at a
-  time) summed with the token's group scales in registers, V brought to the token's largest scale
-  in registers after its load; the tile is never written back.
 * Pipelined loop (``PIPE``, ``use_pipeline``: the fast precision's default at 17-32 heads, dense):
   a tile's score MMA, then the previous tile's p @ V, both issued before this tile's softmax, which
   runs under them; p in two buffers. At 16 and 64 heads it was slower (run 12: spills, a refill one
@@ -570,55 +567,6 @@ if HAS_GLUON:
         l_i = l_i * alpha[None, :] + gl.exp2(s - m_use[None, :])
         return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
-    @gluon.jit
-    def _group_score(ckv, qn_smem, g: gl.constexpr, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
-                     SPLIT: gl.constexpr):
-        """Scores of the tile's 128-column group g alone (its own accumulator), issued."""
-        k = ckv.slice(g * 128, 128, dim=1)
-        a = warpgroup_mma(k, qn_smem.index(0).slice(g * 128, 128, dim=1).permute((1, 0)),
-                          gl.zeros([64, BLOCK_H], gl.float32, s_layout), use_acc=False, is_async=True)
-        if SPLIT:
-            a = warpgroup_mma(k, qn_smem.index(1).slice(g * 128, 128, dim=1).permute((1, 0)), a, is_async=True)
-        return a
-
-    @gluon.jit
-    def _tile_ds_fold(ring, ds_ring, split, p_smem, qn_smem, qr_smem, tile, qk_scale, qk_rope, m_i, l_i, acc,
-                      NUM_STAGES: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
-        """``_tile_ds`` with the group scales folded instead of written into the tile: the scores as
-        four group MMAs (two at a time) summed with the token's group scales in registers, and V
-        brought to the token's largest scale in registers after its load. No pass over the tile in
-        shared memory and no barrier before the score MMAs."""
-        s_layout: gl.constexpr = _s_layout(NUM_WARPS, BLOCK_H)
-        row: gl.constexpr = gl.SliceLayout(1, s_layout)
-        slot = tile % NUM_STAGES
-        async_copy.wait_group(NUM_STAGES - 1)
-        fence_async_shared()
-        _cta_barrier()
-        ckv = ring[0].index(slot)
-        a0 = _group_score(ckv, qn_smem, 0, s_layout, BLOCK_H, SPLIT)
-        a1 = _group_score(ckv, qn_smem, 1, s_layout, BLOCK_H, SPLIT)
-        r = _issue_rope(ds_ring[0].index(slot), qr_smem, BLOCK_H, NUM_WARPS)
-        tl4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
-        sc = ds_ring[1].index(slot).load(tl4)  # [64, 4] fp32 group scales
-        a0, a1, r = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, r))
-        s = a0 * _group_col(sc, 0, row)[:, None] + a1 * _group_col(sc, 1, row)[:, None]
-        a2 = _group_score(ckv, qn_smem, 2, s_layout, BLOCK_H, SPLIT)
-        a3 = _group_score(ckv, qn_smem, 3, s_layout, BLOCK_H, SPLIT)
-        a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a2, a3))
-        s = s + a2 * _group_col(sc, 2, row)[:, None] + a3 * _group_col(sc, 3, row)[:, None]
-        top, ratio = _ds_ratio(sc)
-        v = ckv.load(_v_layout(NUM_WARPS))  # [64, 512] e4m3 as stored
-        _cta_barrier()  # every warp is done with the slot: refill it
-        _gather_ds(ring, ds_ring, split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
-        # V's groups to the token's largest scale (x 2^-k, as _ds_rescale_smem), in registers
-        v3 = gl.reshape(v, [64, 4, 128])
-        ratio = gl.convert_layout(ratio.to(gl.float16), gl.SliceLayout(2, v3.type.layout))
-        v = gl.reshape((v3.to(gl.float16) * ratio[:, :, None]).to(gl.float8e4nv), [64, 512])
-        v = gl.convert_layout(v, _v_layout(NUM_WARPS))
-
-        s = s * qk_scale + gl.convert_layout(r, s_layout) * qk_rope
-        return _ds_softmax_pv(s, gl.convert_layout(top, row), m_i, l_i, v, acc, p_smem, NUM_WARPS, SPLIT)
-
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
         q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
@@ -649,7 +597,6 @@ if HAS_GLUON:
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
         PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
-        DS_FOLD: gl.constexpr = False,  # DS: group scales folded in registers (_tile_ds_fold), not in the tile
     ):
         hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
         b = gl.program_id(1)
@@ -760,12 +707,8 @@ if HAS_GLUON:
         acc = gl.zeros([512, BLOCK_H], gl.float32, layout=acc_layout)  # out^T, rows relabelled
         if DS:
             for tile in range(0, n_tiles):
-                if DS_FOLD:
-                    m_i, l_i, acc = _tile_ds_fold(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale,
-                                                  qk_rope, m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
-                else:
-                    m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale,
-                                             qk_rope, m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
+                m_i, l_i, acc = _tile_ds(ring, ds_ring, split_, p_smem, qn_smem, qr_smem, tile, qk_scale,
+                                         qk_rope, m_i, l_i, acc, NUM_STAGES, BLOCK_H, NUM_WARPS, SPLIT)
             async_copy.wait_group(0)
         elif PIPE:  # the first and last tiles always masked (a full one loses nothing); sparse: every tile
             if n_tiles > 0:
@@ -1006,8 +949,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
                          pipeline: bool | None = None, block_h: int | None = None,
-                         part_dtype: torch.dtype | None = None, num_warps: int | None = None,
-                         ds_fold: bool = False):
+                         part_dtype: torch.dtype | None = None, num_warps: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -1034,9 +976,6 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     block_h : heads a CTA (16 or 32; 64 on two warpgroups); None: ``block_config``.
     num_warps : 4 or 8 puts a 16- or 32-head block on one or two warpgroups (``GPU_CONFIG_TWO_WG``);
         None: ``default_warps`` (4 for 16-head blocks but sparse accurate ones on per-tensor rows, else 8).
-    ds_fold : fp8_ds_mla only: fold the group scales in registers (four group score MMAs summed with
-        the scales, V rescaled after its load) instead of rewriting each tile in shared memory
-        (``_tile_ds_fold``; compiled and checked for spills on the CPU, not yet timed: off).
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
@@ -1049,9 +988,6 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     """
     sparse = token_indices is not None
     ds = check_ds_args(kv_buffer, kv_layout, sparse, k_scale, v_scale)
-    if ds_fold and not ds:
-        raise ValueError(f"mla_decode_fp8_gluon: ds_fold=True folds the group scales of fp8_ds_mla rows; "
-                         f"kv_layout={kv_layout!r}")
     kv, kv32, kv16 = rows_views(kv_buffer, kv_layout)  # e4m3, fp32 and bf16 views of the same rows
     row = LAYOUT_ROW[kv_layout]
     B, H, page_size = check_decode_args("mla_decode_fp8_gluon", q_nope, q_pe, kv[..., :576], kv_indptr, kv_indices,
@@ -1093,7 +1029,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, DS_FOLD=bool(ds_fold),
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe,
         num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

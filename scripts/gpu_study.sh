@@ -4,7 +4,7 @@
 # the kernel variant grid and the Gluon kernel's tuning table, into one run folder packed as one
 # file ($OUT/run.tgz).
 #
-#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="warm bench notebooks tests rows kernels gluon topk cand fold folda first"
+#   bash scripts/gpu_study.sh [OUT_DIR]      # stages: STAGES="warm bench notebooks tests rows kernels gluon topk cand first"
 #                                            # TOPK_ARGS / GLUON_ARGS: extra arguments of those two scripts
 #
 # Such a machine has torch and triton but no Jupyter stack and no network: fetch the wheels here
@@ -60,11 +60,6 @@ for s in $stages; do
     rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ${GLUON_ARGS:-} ;;
-    # the 656-byte layout's group scales folded into the MMAs (ds_fold), sparse, in both precisions
-    fold) stage fold "${T_fold:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/fold" --sparse \
-            --kv-layout fp8_ds_mla --variants default fold fold_w4 fold_w8 ;;
-    folda) stage folda "${T_folda:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/folda" --accurate \
-            --kv-layout fp8_ds_mla --variants default fold fast_fold ;;
     # the first-timed artefact: the same launch timed after a float64 reference, idle, fp32 load, a freed alloc
     first) stage first "${T_first:-120}" python3 scripts/gpu_first_timing.py --out "$run_dir/first" ;;
     # the DSA indexer's logits and top-k beside torch.topk (run 10: about 60 s)

@@ -25,21 +25,6 @@ def test_every_stage_named_in_the_header_exists():
     assert sorted(header) == sorted(stages), (header, sorted(stages))
 
 
-def test_gluon_stages_name_existing_variants():
-    import gpu_gluon
-
-    named = 0
-    for name, cmd in _stages().items():
-        if "gpu_gluon.py" not in cmd or "--variants" not in cmd:
-            continue
-        table = gpu_gluon.ACC_VARIANTS if "--accurate" in cmd else gpu_gluon.VARIANTS
-        variants = re.search(r"--variants ((?:[\w]+ ?)+)", cmd).group(1).split()
-        missing = [v for v in variants if v not in table]
-        assert not missing, f"stage {name}: variants {missing} are not in gpu_gluon.py"
-        named += len(variants)
-    assert named >= 6  # fold and folda name their variants
-
-
 def test_default_test_files_exist():
     cmd = _stages()["tests"]
     files = re.findall(r"tests/\w+\.py", cmd)
@@ -47,7 +32,7 @@ def test_default_test_files_exist():
     assert [f for f in files if not (ROOT / f).is_file()] == []
 
 
-@pytest.mark.parametrize("stage, script", [("topk", "gpu_topk.py"), ("fold", "gpu_gluon.py"),
+@pytest.mark.parametrize("stage, script", [("topk", "gpu_topk.py"), ("gluon", "gpu_gluon.py"),
                                            ("first", "gpu_first_timing.py"), ("cand", "gpu_cand_parts.py")])
 def test_stage_scripts_exist(stage, script):
     assert f"scripts/{script}" in _stages()[stage]
