@@ -15,13 +15,6 @@ n <= topk, or whose rs would pass the sample's end, keeps every position in orde
 makes a short count rare on rows without structure: at 32K and topk 2048 with S = 2048, rs = 168
 where 128 are expected, 3.6 standard deviations of the sample's count.
 
-With P parts a request (``parts``), program p takes positions [p T / P, (p + 1) T / P): it counts
-its candidates (a compare and a sum a key), reserves their places in the request's row with one
-atomic add and writes them there (a second pass, from L2), so the candidates come in no set order;
-the last part to arrive checks the count and falls back. The sample and its two rounds are
-repeated by every part (about 10K warp-instructions at S = 2048). Nothing waits on another
-program, so P is not bound by what the GPU holds at once.
-
 Moves per request 4 S B of sampled logits (scattered reads) and 4 n B of logits (from L2 when the
 logits kernel has just written them), and writes 8 B per candidate (about 1.3 topk, at most n).
 The count never exceeds n, so the scratch rows are as long as the logits' rows.
@@ -32,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import _barriers, _digit, _key, _slot
+from .topk_select import _digit, _key, _slot
 
 
 @triton.jit
@@ -53,15 +46,16 @@ def _sample_prefix(row, n, S, rs, SAMPLE: tl.constexpr, CG: tl.constexpr = False
 
 
 @triton.jit
-def _keep_above(row, p0, p1, t16, cr, cs, c, pages, PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    """row[p0:p1]'s logits whose keys' top 16 bits are >= t16, and their slots, to cr / cs from c on
-    in position order; returns c plus how many."""
-    x_next = tl.load(row + p0 + tl.arange(0, BLOCK), mask=p0 + tl.arange(0, BLOCK) < p1, other=float("-inf"))
-    for s in range(p0, p1, BLOCK):
+def _keep_above(row, n, t16, cr, cs, pages, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """row[0:n]'s logits whose keys' top 16 bits are >= t16, and their slots, to cr / cs in position
+    order; returns how many."""
+    c = n * 0
+    x_next = tl.load(row + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < n, other=float("-inf"))
+    for s in range(0, n, BLOCK):
         i = s + tl.arange(0, BLOCK)
         x = x_next
-        x_next = tl.load(row + i + BLOCK, mask=i + BLOCK < p1, other=float("-inf"))  # under this tile's work
-        keep = (i < p1) & (((_key(x) >> 16) & 0xFFFF) >= t16)
+        x_next = tl.load(row + i + BLOCK, mask=i + BLOCK < n, other=float("-inf"))  # under this tile's work
+        keep = (i < n) & (((_key(x) >> 16) & 0xFFFF) >= t16)
         dst = c + tl.cumsum(keep.to(tl.int32), 0) - 1
         tl.store(cr + dst, x, mask=keep)
         tl.store(cs + dst, _slot(pages, i, keep, PAGE), mask=keep)
@@ -70,38 +64,19 @@ def _keep_above(row, p0, p1, t16, cr, cs, c, pages, PAGE: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _count_above(row, p0, p1, t16, BLOCK: tl.constexpr):
-    """How many of row[p0:p1]'s keys have top 16 bits >= t16 (a compare and a sum a key, no scan)."""
-    c = p0 * 0
-    for s in range(p0, p1, BLOCK):
-        i = s + tl.arange(0, BLOCK)
-        x = tl.load(row + i, mask=i < p1, other=float("-inf"))
-        c += tl.sum(((i < p1) & (((_key(x) >> 16) & 0xFFFF) >= t16)).to(tl.int32), 0)
-    return c
-
-
-@triton.jit
 def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot, count, starts, stride_c, topk,
-                           acc, chunk, PAGE: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
-                           FIRST: tl.constexpr, PARTS: tl.constexpr):
-    """Program (b, p): request b's candidates (module docstring) from positions [p * chunk, (p + 1) *
-    chunk), and where its row of cslot starts. With PARTS > 1 each part counts its candidates, takes
-    its place in the row by one atomic add on acc[b], writes them there, and arrives on acc[B + b];
-    the last to arrive reads the total, checks it (the fallback) and resets both counts to zero for
-    the next call. FIRST = False: the first pass was the logits kernel's (count[b] candidates
-    written); only the check and the fallback are left."""
+                           PAGE: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr):
+    """Program b: request b's candidates (module docstring), and where its row of cslot starts.
+    FIRST = False: the first pass was the logits kernel's (count[b] candidates written); only the
+    check and the fallback are left."""
     b = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    if p == 0:
-        tl.store(starts + b, b * stride_c)
-        if b == tl.num_programs(0) - 1:
-            tl.store(starts + b + 1, (b + 1) * stride_c)
+    tl.store(starts + b, b * stride_c)
+    if b == tl.num_programs(0) - 1:
+        tl.store(starts + b + 1, (b + 1) * stride_c)
     n = tl.load(lens + b)
     row = logits + b * stride_l
     pages = indices + tl.load(indptr + b)
     cr, cs = crow + b * stride_c, cslot + b * stride_c
-    last = True
-    c = n * 0
     if FIRST:
         t16 = n * 0  # 0: every position
         if n > topk:
@@ -109,28 +84,12 @@ def _topk_prefilter_kernel(logits, stride_l, lens, indptr, indices, crow, cslot,
             rs = _sample_rank(n, S, topk)
             if rs < S:
                 t16 = _sample_prefix(row, n, S, rs, SAMPLE)
-        if PARTS == 1:
-            c = _keep_above(row, 0, n, t16, cr, cs, n * 0, pages, PAGE, BLOCK)
-        else:
-            p0 = p * chunk
-            p1 = tl.minimum(n, p0 + chunk)
-            if n <= topk:  # none here: the last part's fallback keeps every position, in order
-                t16 = n * 0 + 65536
-            at = tl.atomic_add(acc + b, _count_above(row, p0, p1, t16, BLOCK), sem="relaxed", scope="gpu")
-            _keep_above(row, p0, p1, t16, cr, cs, at, pages, PAGE, BLOCK)
-            tl.debug_barrier()  # every thread's stores before the arrival (released by it)
-            arrivals = acc + tl.num_programs(0) + b
-            last = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == PARTS - 1
-            if last:
-                c = tl.atomic_xchg(acc + b, 0)  # the request's total; zero for the next call
-                tl.atomic_xchg(arrivals, 0)
-                tl.debug_barrier()  # the other parts' stores are seen by every thread from here on
+        c = _keep_above(row, n, t16, cr, cs, pages, PAGE, BLOCK)
     else:
         c = tl.load(count + b)
-    if last:
-        if c < tl.minimum(topk, n):  # the threshold sat too high: keep every position
-            c = _keep_above(row, 0, n, 0, cr, cs, n * 0, pages, PAGE, BLOCK)
-        tl.store(count + b, c)
+    if c < tl.minimum(topk, n):  # the threshold sat too high: keep every position
+        c = _keep_above(row, n, 0, cr, cs, pages, PAGE, BLOCK)
+    tl.store(count + b, c)
 
 
 @triton.jit
@@ -165,37 +124,29 @@ def _threshold_kernel(sampled, stride_s, lens, t16, count, topk, SAMPLE: tl.cons
 
 
 def topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, sample: int,
-                   block: int = 4096, num_warps: int = 8, parts: int = 1):
+                   block: int = 4096, num_warps: int = 8):
     """Each request's top-k candidates (module docstring).
 
     logits : [B, T] float32, rows contiguous; kv_lens [B], kv_indptr [B + 1], kv_indices int32: the
         decode batch's page table (``topk_select``'s arguments, checked there).
     sample : logits sampled per request (a power of two, 16..8192); block : logits per tile of
-        the pass (a power of two, 16..32768); parts : programs per request (1..64), each over its
-        part of the row; they never wait for each other, so any number runs anywhere.
+        the pass (a power of two, 16..32768).
 
     Returns (crow [B, T] float32, cslot [B, T] int32, count [B] int32, starts [B + 1] int32): request
     b's candidates are crow[b, :count[b]] with global token slots cslot[b, :count[b]], in position
-    order with one part, else in no set order (past count the rows are unwritten); starts = 0, T,
-    2T, ... is the page table (page size 1) through which ``topk_select`` reads cslot as the
-    candidates' slots. With parts > 1 the device's zeroed counts (``_barriers``, 2 B of them) are
-    used and left at zero: calls on one device must not overlap in time.
+    order (past count the rows are unwritten); starts = 0, T, 2T, ... is the page table (page size
+    1) through which ``topk_select`` reads cslot as the candidates' slots.
     """
-    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= 64:
-        raise ValueError(f"parts={parts!r}: must be an integer in 1..64")
     B, T = logits.shape
     crow = torch.empty(B, T, dtype=torch.float32, device=logits.device)
     cslot = torch.empty(B, T, dtype=torch.int32, device=logits.device)
     count = torch.empty(B, dtype=torch.int32, device=logits.device)
     starts = torch.empty(B + 1, dtype=torch.int32, device=logits.device)  # all written by the kernel when B > 0
     if B:
-        tile = min(block, triton.next_power_of_2(max(T, 16)))
-        part = -(-T // parts)
-        acc = _barriers(logits.device, 2 * B) if parts > 1 else count
-        _topk_prefilter_kernel[(B, parts)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot,
-                                           count, starts, T, topk, acc, part, PAGE=page_size, SAMPLE=sample,
-                                           BLOCK=min(tile, triton.next_power_of_2(max(part, 16))), FIRST=True,
-                                           PARTS=parts, num_warps=num_warps)
+        _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
+                                     starts, T, topk, PAGE=page_size, SAMPLE=sample,
+                                     BLOCK=min(block, triton.next_power_of_2(max(T, 16))), FIRST=True,
+                                     num_warps=num_warps)
     return crow, cslot, count, starts
 
 
@@ -248,8 +199,8 @@ def finish_candidates(logits, kv_lens, kv_indptr, kv_indices, page_size: int, to
     B, T = logits.shape
     starts = torch.empty(B + 1, dtype=torch.int32, device=logits.device)
     if B:
-        _topk_prefilter_kernel[(B, 1)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
-                                       starts, crow.stride(0), topk, count, T, PAGE=page_size, SAMPLE=16,
-                                       BLOCK=min(block, triton.next_power_of_2(max(T, 16))), FIRST=False, PARTS=1,
-                                       num_warps=num_warps)
+        _topk_prefilter_kernel[(B,)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, crow, cslot, count,
+                                     starts, crow.stride(0), topk, PAGE=page_size, SAMPLE=16,
+                                     BLOCK=min(block, triton.next_power_of_2(max(T, 16))), FIRST=False,
+                                     num_warps=num_warps)
     return crow, cslot, count, starts

@@ -344,16 +344,6 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
     return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
 
 
-def prefilter_parts(batch_size: int, max_len: int, device) -> int:
-    """Programs a request for the sampled prefilter's pass: about two an SM over the batch, parts of
-    >= 4096 positions, at most 64; 1 on a CPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(2 * sms // max(batch_size, 1), -(-max_len // 4096), 64))
-
-
 def resident_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
                     smem_per_sm: int = 233472) -> int:
     """Programs of a compiled kernel that an SM holds at once (sm_90 rules: registers allocated
@@ -402,10 +392,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``) or "atomic"
         (one atomic add a key into the part's counters); None: ``default_count``.
     sample : 0, or a power of two 16..8192: first keep each request's candidates by a threshold
-        sampled from that many of its logits (``labkit.kernels.topk_prefilter``: exact), with
-        ``splits`` programs a request over parts of its row (1..64, any number on any device: they
-        never wait; None: ``prefilter_parts``), then select among them, one program a request
-        (``count`` None or "histogram"). A second launch and 8 * B * max_len bytes more scratch.
+        sampled from that many of its logits (``labkit.kernels.topk_prefilter``: one pass, exact),
+        then select among them, one program a request (``splits`` None or 1, ``count`` None or
+        "histogram"). A second launch and 8 * B * max_len bytes more scratch.
     regs : 0, or a power of two 16..8192 (with splits 1): a row of at most that many keys is loaded
         once and selected in registers (four rounds, one scan) instead of by passes over memory.
 
@@ -435,16 +424,13 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     if sample:
         if isinstance(sample, bool) or not isinstance(sample, int) or not 16 <= sample <= 8192 or sample & (sample - 1):
             raise ValueError(f"sample={sample!r}: must be 0 or a power of two in 16..8192")
-        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64):
-            raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
-        if count not in (None, "histogram"):
+        if splits not in (None, 1) or count not in (None, "histogram"):
             raise ValueError(f"sample={sample} selects among the candidates in one program a request by histogram; "
-                             f"got count={count!r} (allowed: None or 'histogram')")
+                             f"got splits={splits!r}, count={count!r} (allowed: None or 1, None or 'histogram')")
         from .topk_prefilter import topk_prefilter
 
-        parts = prefilter_parts(B, T, logits.device) if splits is None else splits
         crow, cslot, cnt, starts = topk_prefilter(logits, kv_lens, kv_indptr, kv_indices, page_size, topk, sample,
-                                                  block=block, num_warps=num_warps, parts=parts)
+                                                  block=block, num_warps=num_warps)
         return topk_select(crow, cnt, starts, cslot.view(-1), 1, topk, splits=1,
                            block=block, cand_block=cand_block, digit_bits=digit_bits, num_warps=num_warps,
                            count="histogram", regs=regs)

@@ -58,11 +58,6 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "sample1k": dict(sample=1024), "sample2k": dict(sample=2048), "sample4k": dict(sample=4096),
     "sample2k_w16": dict(sample=2048, num_warps=16), "sample2k_w4": dict(sample=2048, num_warps=4),
     "sample2k_db4": dict(sample=2048, digit_bits=4), "sample2k_b2k": dict(sample=2048, block=2048),
-    # the prefilter's pass over P parts a request (no waits: any P; sample2k takes prefilter_parts)
-    "sample2k_p1": dict(sample=2048, splits=1), "sample2k_p2": dict(sample=2048, splits=2),
-    "sample2k_p4": dict(sample=2048, splits=4), "sample2k_p8": dict(sample=2048, splits=8),
-    "sample1k_p4": dict(sample=1024, splits=4), "sample1k_p8": dict(sample=1024, splits=8),
-    "sample2k_p4_b1k": dict(sample=2048, splits=4, block=1024),
     # logits + top-k, the candidates appended by the logits kernel above a threshold from this many
     # sampled logits a request (labkit.indexer.logits_and_slots; column total_cand_us)
     "cand256": dict(cand=256), "cand512": dict(cand=512), "cand1k": dict(cand=1024), "cand2k": dict(cand=2048),

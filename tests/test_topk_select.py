@@ -154,17 +154,14 @@ def test_sampled_candidates_match_sorting(sample, block, poisoned_ints):
     lens = [700, 650, 49, 400, 300, 690, 500, 600]
     x = _rows(T, torch.Generator().manual_seed(sample))
     indptr, indices = _table(lens, page_size, seed=sample)
-    for parts in (1, 3):  # the prefilter over the whole row, or over three parts of it
-        slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
-                            block=block, cand_block=64, sample=sample, splits=parts)
-        _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
+    slots = topk_select(x, torch.tensor(lens, dtype=torch.int32), indptr, indices, page_size, topk,
+                        block=block, cand_block=64, sample=sample)
+    _assert_topk(slots, x, lens, indptr, indices, page_size, topk)
     short = [0, 1, 48, 49]
     y = torch.randn(len(short), 60, generator=torch.Generator().manual_seed(1))
     indptr, indices = _table(short, 1, seed=1)
-    for parts in (1, 4):  # short rows keep their order over parts too
-        slots = topk_select(y, torch.tensor(short, dtype=torch.int32), indptr, indices, 1, topk, block=16,
-                            sample=sample, splits=parts)
-        _assert_topk(slots, y, short, indptr, indices, 1, topk)
+    slots = topk_select(y, torch.tensor(short, dtype=torch.int32), indptr, indices, 1, topk, block=16, sample=sample)
+    _assert_topk(slots, y, short, indptr, indices, 1, topk)
 
 
 def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
@@ -191,19 +188,9 @@ def test_prefilter_keeps_few_and_falls_back(poisoned_ints):
     assert torch.equal(crow[0, :c], x[0, pos]) and x[0, pos].min() > x[0, left].max()
     _, _, count, _ = topk_prefilter(x, lens, indptr, indices, 1, topk2, sample)
     assert int(count[1]) == n
-    # over four parts: the same candidates in no set order, the counts left at zero for the next call
-    crow4, cslot4, count4, _ = topk_prefilter(x, lens, indptr, indices, 1, topk, sample, block=256, parts=4)
-    assert int(count4[0]) == c and sorted(cslot4[0, :c].tolist()) == sorted(cslot[0, :c].tolist())
-    assert torch.equal(crow4[0, :c].sort().values, crow[0, :c].sort().values)
-    assert not topk_module._barriers(x.device, 4)[:4].any()
-    _, _, count4, _ = topk_prefilter(x, lens, indptr, indices, 1, topk2, sample, parts=4)
-    assert int(count4[1]) == n  # the last part's fallback
     for k in (topk, topk2):
-        for parts in (1, 4):
-            slots = topk_select(x, lens, indptr, indices, 1, k, block=512, sample=sample, splits=parts)
-            _assert_topk(slots, x, [n, n], indptr, indices, 1, k)
-    with pytest.raises(ValueError, match="parts=0: must be an integer in 1..64"):
-        topk_prefilter(x, lens, indptr, indices, 1, topk, sample, parts=0)
+        slots = topk_select(x, lens, indptr, indices, 1, k, block=512, sample=sample)
+        _assert_topk(slots, x, [n, n], indptr, indices, 1, k)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -294,8 +281,7 @@ def test_bad_arguments():
         (dict(logits=x.t().contiguous().t()), "logits rows must be contiguous"),
         (dict(sample=24), "sample=24: must be 0 or a power of two in 16..8192"),
         (dict(sample=16384), "sample=16384: must be 0 or a power of two"),
-        (dict(sample=64, count="atomic"), r"sample=64 selects .* got count='atomic'"),
-        (dict(sample=64, splits=65), "splits=65: must be an integer in 1..64, or None"),
+        (dict(sample=64, count="atomic"), r"sample=64 selects .* got splits=None, count='atomic'"),
         (dict(regs=100), "regs=100: must be 0 or a power of two in 16..8192"),
         (dict(regs=64, splits=2), r"regs=64 selects a short row in one program; got splits=2"),
     ]
@@ -355,7 +341,7 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
     x[5, ::3] = -math.inf
     for kw in (dict(splits=1, count="histogram"), dict(splits=2, count="histogram"), dict(count="histogram"),
                dict(splits=1, count="atomic"), dict(count="atomic"), dict(sample=2048), dict(sample=256),
-               dict(sample=2048, splits=1), dict(sample=1024, splits=8), dict(regs=4096), dict(sample=2048, regs=4096), dict(splits=4, block=2048, count="histogram")):
+               dict(regs=4096), dict(sample=2048, regs=4096), dict(splits=4, block=2048, count="histogram")):
         got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
