@@ -23,8 +23,8 @@ histogram, all sum the same histograms and take the same digit; after the last r
 every part's counts, so parts write their slots and candidates at fixed offsets (the output order
 does not depend on timing). Program 0 waits for the others and finishes the candidates. The
 programs of a request spin on each other, so all must be resident at once: B * splits is at most
-the SMs times the programs an SM holds (``resident_per_sm``, from the compiled kernel's registers
-and shared memory; ``auto_splits`` takes one an SM), and the interpreter (one program after
+the SM count (one program an SM always is; two an SM, where the compiled kernel fits them, measured
+no faster in run 23, since the row passes are issue-bound), and the interpreter (one program after
 another) takes splits = 1.
 
 Prefilter (``sample``). Most of a long row cannot be in its top-k: ``topk_prefilter`` keeps, in one
@@ -344,35 +344,6 @@ def auto_splits(batch_size: int, max_len: int, device) -> int:
     return max(1, min(sms // max(batch_size, 1), -(-max_len // 1024), 64))
 
 
-def resident_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
-                    smem_per_sm: int = 233472) -> int:
-    """Programs of a compiled kernel that an SM holds at once (sm_90 rules: registers allocated
-    per warp in units of 256, 1 KB of shared memory reserved a CTA, at most 32 CTAs)."""
-    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
-    by_regs = regs_per_sm // warp_regs // num_warps
-    by_threads = threads_per_sm // (32 * num_warps)
-    by_smem = smem_per_sm // (shared + 1024)
-    return max(0, min(by_regs, by_threads, by_smem, 32))
-
-
-_RESIDENT: dict = {}  # (device, kernel specialization) -> programs an SM
-
-
-def _resident(kernel_args: tuple, consts: dict, grid, device) -> int:
-    """``resident_per_sm`` of the kernel these arguments compile to (compiled once, here)."""
-    key = (device, tuple(sorted(consts.items())),  # and what Triton specializes on: alignment, ints of 1
-           tuple((a % 16, a == 1) if isinstance(a, int) else a.data_ptr() % 16 for a in kernel_args))
-    if key not in _RESIDENT:
-        k = _topk_radix_kernel.warmup(*kernel_args, grid=grid, **consts)
-        k._init_handles()  # loads the binary: n_regs is known from then on
-        p = torch.cuda.get_device_properties(device)
-        _RESIDENT[key] = resident_per_sm(k.n_regs, k.metadata.shared, consts["num_warps"],
-                                         getattr(p, "regs_per_multiprocessor", 65536),
-                                         getattr(p, "max_threads_per_multi_processor", 2048),
-                                         getattr(p, "shared_memory_per_multiprocessor", 233472))
-    return _RESIDENT[key]
-
-
 def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, splits: int | None = None,
                block: int = 4096, cand_block: int = 256, digit_bits: int = 8, num_warps: int = 8,
                count: str | None = None, sample: int = 0, regs: int = 0) -> torch.Tensor:
@@ -386,7 +357,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         int32 KV page ids (the decode batch's page table).
     page_size : KV page size (>= 1); topk : slots per request (>= 1).
     splits : programs per request (None: ``auto_splits``; > 1 only on a GPU, with B * splits at
-        most what it holds at once, ``resident_per_sm``); block : logits per tile of the row passes;
+        most the SM count); block : logits per tile of the row passes;
         cand_block : candidates per tile (powers of two 16..32768); digit_bits : bits per radix
         round over the row (2, 4, 8); num_warps.
     count : how the row rounds count digits (``COUNTS``): "histogram" (``tl.histogram``) or "atomic"
@@ -449,6 +420,9 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
         raise ValueError(f"splits={splits!r}: must be an integer in 1..64, or None")
     if splits > 1 and logits.device.type != "cuda":
         raise ValueError(f"splits={splits}: more than 1 needs a GPU (a request's programs wait for each other)")
+    if splits > 1 and B * splits > torch.cuda.get_device_properties(logits.device).multi_processor_count:
+        raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the GPU's SMs; "
+                         "they wait for each other, so all must be resident")
     out = torch.empty(B, topk, dtype=torch.int32, device=logits.device)
     if B == 0:
         return out
@@ -463,16 +437,8 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     code = COUNTS[count]
     hist = torch.empty(B * (16 // digit_bits) * splits << digit_bits if splits > 1 or code else 1, dtype=torch.int32,
                        device=dev)
-    args = (logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap, hist, bar, topk, chunk)
-    consts = dict(PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits, SPLITS=splits,
-                  SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs, num_warps=num_warps)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if splits > 1 else 0
-    if B * splits > sms > 0:  # a request's programs wait for each other: all must be resident at once
-        # (one an SM always is, so the compiled kernel's occupancy is asked for only past the SM count)
-        room = sms * _resident(args, consts, (B, splits), dev)
-        if B * splits > room:
-            raise ValueError(f"splits={splits}: B * splits = {B * splits} programs exceed the {room} the GPU holds at "
-                             f"once with block={block}, num_warps={num_warps}; they wait for each other, so all "
-                             "must be resident")
-    _topk_radix_kernel[(B, splits)](*args, **consts)
+    _topk_radix_kernel[(B, splits)](logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, out, ckey, cslot, cap,
+                                    hist, bar, topk, chunk, PAGE=page_size, BLOCK=tile, CB=cand_block, DB=digit_bits,
+                                    SPLITS=splits, SP=triton.next_power_of_2(splits), COUNT=code, REGS=regs,
+                                    num_warps=num_warps)
     return out

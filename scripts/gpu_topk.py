@@ -45,11 +45,7 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "one": dict(splits=1), "one_w16": dict(splits=1, num_warps=16), "s2": dict(splits=2), "s8": dict(splits=8),
     "w4": dict(num_warps=4), "w16": dict(num_warps=16), "db4": dict(digit_bits=4), "db4_w16": dict(digit_bits=4, num_warps=16),
     "b1024": dict(block=1024), "b16k": dict(block=16384), "cb256": dict(cand_block=256),
-    # several programs an SM (a request's programs must all be resident: topk_select checks the compiled
-    # kernel's registers; scripts/sass_indexer.py: 2048-key tiles two programs an SM at 8 warps, 1024-key three)
-    "s4_b2k": dict(splits=4, block=2048), "s3_b2k": dict(splits=3, block=2048), "s2_b2k": dict(splits=2, block=2048),
-    "s4_b1k": dict(splits=4, block=1024), "s6_b1k": dict(splits=6, block=1024),
-    "s2_b1k": dict(splits=2, block=1024), "s4_b2k_w4": dict(splits=4, block=2048, num_warps=4),
+    "s2_b2k": dict(splits=2, block=2048), "s2_b1k": dict(splits=2, block=1024),
     # the row rounds counted by atomics (one a key)
     "atomic": dict(count="atomic"), "atomic_w16": dict(count="atomic", num_warps=16),
     "atomic_db4": dict(count="atomic", digit_bits=4), "atomic_b16k": dict(count="atomic", block=16384),

@@ -46,6 +46,17 @@ def compile_sm90(fn, consts: dict, num_warps: int, desc: str | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
+def resident_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
+                    smem_per_sm: int = 233472) -> int:
+    """Programs of a compiled kernel that an SM holds at once (sm_90 rules: registers allocated
+    per warp in units of 256, 1 KB of shared memory reserved a CTA, at most 32 CTAs)."""
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // warp_regs // num_warps
+    by_threads = threads_per_sm // (32 * num_warps)
+    by_smem = smem_per_sm // (shared + 1024)
+    return max(0, min(by_regs, by_threads, by_smem, 32))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=("topk", "logits"))
@@ -67,7 +78,7 @@ def main():
                       COPY=triton.next_power_of_2(64 * a.tiles), TMA=int(a.tma))
         cc = compile_sm90(IL._index_logits_kernel, consts, warps, "tensordesc<fp8e4nv[1, 64, 128]>" if a.tma else None)
     st, _ = stats(cc)
-    st["per_sm"] = TS.resident_per_sm(st["regs"], st["shared"], warps)
+    st["per_sm"] = resident_per_sm(st["regs"], st["shared"], warps)
     print(json.dumps({k: v for k, v in st.items() if k != "ops"} | {"ops": st["ops"]}))
 
 

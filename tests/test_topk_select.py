@@ -292,34 +292,21 @@ def test_bad_arguments():
             topk_select(**args)
 
 
-def test_resident_per_sm_follows_sm90_occupancy_rules():
-    """Programs an SM holds, worked by hand from sm_90's limits (64K registers allocated per warp in
-    units of 256, 2048 threads, 228 KB of shared memory with 1 KB reserved a CTA, 32 CTAs)."""
-    from labkit.kernels.topk_select import resident_per_sm
-    assert resident_per_sm(181, 2048, 8) == 1  # 23 x 256 registers a warp: 11 warps' worth
-    assert resident_per_sm(101, 4096, 8) == 2  # 13 x 256: 19 warps
-    assert resident_per_sm(64, 4096, 8) == 4  # 8 x 256: 32 warps; 2048 threads allow 8 CTAs
-    assert resident_per_sm(32, 4096, 1) == 32  # threads allow 64, the CTA limit is 32
-    assert resident_per_sm(32, 100 * 1024, 4) == 2  # shared memory: 233472 // (102400 + 1024)
-    assert resident_per_sm(255, 0, 4) == 2  # 32 x 256 a warp: 8 warps
-    assert resident_per_sm(255, 0, 16) == 0  # 16 warps of 255 registers do not fit an SM at all
-
-
-def test_tiles_of_2048_keys_fit_two_programs_an_sm(tmp_path):
+def test_default_tiles_fit_one_program_an_sm(tmp_path):
     """scripts/sass_indexer.py in its own process (a real compile for sm_90; the interpreter is on
-    here): at 8 warps, 2048-key tiles leave two programs an SM, so four a request fit 64 requests on
-    an H200's 132 SMs (the s4_b2k tuning), and nothing spills."""
+    here): at the launcher's defaults (4096-key tiles, 8 warps) an SM holds a program and nothing
+    spills, which ``topk_select``'s bound (B * splits at most the SM count) relies on."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton wheel carries no ptxas")
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(root / "scripts" / "sass_indexer.py"), "topk", "--block", "2048",
-                          "--splits", "4"], capture_output=True, text=True, env=env, cwd=root)
+    res = subprocess.run([sys.executable, str(root / "scripts" / "sass_indexer.py"), "topk"],
+                         capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     st = json.loads(res.stdout)
-    assert st["per_sm"] >= 2 and st["stack"] == 0, (st["regs"], st["shared"], st["stack"])
+    assert st["per_sm"] >= 1 and st["stack"] == 0, (st["regs"], st["shared"], st["stack"])
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
@@ -341,11 +328,11 @@ def test_gpu_glm5_topk_equals_torch_topk(context):
     x[5, ::3] = -math.inf
     for kw in (dict(splits=1, count="histogram"), dict(splits=2, count="histogram"), dict(count="histogram"),
                dict(splits=1, count="atomic"), dict(count="atomic"), dict(sample=2048), dict(sample=256),
-               dict(regs=4096), dict(sample=2048, regs=4096), dict(splits=4, block=2048, count="histogram")):
+               dict(regs=4096), dict(sample=2048, regs=4096)):
         got = topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, **kw)
         check_slots(batch, got)
         _assert_gpu(got, x, batch, topk)
-    with pytest.raises(ValueError, match=r"splits=64: B \* splits = 4096 programs exceed the \d+ the GPU holds"):
+    with pytest.raises(ValueError, match=r"splits=64: B \* splits = 4096 programs exceed the GPU's SMs"):
         topk_select(x, batch.kv_lens, batch.kv_indptr, batch.kv_indices, page_size, topk, splits=64)
     for kw in (dict(), dict(sample=2048)):
         graph, static = torch.cuda.CUDAGraph(), {}
