@@ -292,6 +292,25 @@ def test_bad_arguments():
             topk_select(**args)
 
 
+def test_resident_per_sm_follows_sm90_occupancy_rules():
+    """Programs an SM holds (scripts/sass_indexer.py's ``resident_per_sm``), worked by hand from sm_90's
+    limits (64K registers allocated per warp in units of 256, 2048 threads, 228 KB of shared memory
+    with 1 KB reserved a CTA, 32 CTAs). In its own process: importing the script turns the
+    interpreter off for the process."""
+    root = Path(__file__).resolve().parent.parent
+    cases = [(181, 2048, 8), (101, 4096, 8), (64, 4096, 8), (32, 4096, 1), (32, 100 * 1024, 4), (255, 0, 4),
+             (255, 0, 16)]
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); from sass_indexer import resident_per_sm; "
+            f"print(json.dumps([resident_per_sm(*c) for c in {cases!r}]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    # 23 x 256 registers a warp: 11 warps' worth; 13 x 256: 19 warps; 8 x 256: 32 warps, 2048 threads
+    # allow 8 CTAs; threads allow 64, the CTA limit is 32; shared memory: 233472 // (102400 + 1024);
+    # 32 x 256 a warp: 8 warps; 16 warps of 255 registers do not fit an SM at all
+    assert got == [1, 2, 4, 32, 2, 2, 0], got
+
+
 def test_default_tiles_fit_one_program_an_sm(tmp_path):
     """scripts/sass_indexer.py in its own process (a real compile for sm_90; the interpreter is on
     here): at the launcher's defaults (4096-key tiles, 8 warps) an SM holds a program and nothing
