@@ -41,7 +41,7 @@ class DsaLab:
 
     sparse: the batch with the indexer's slots of every measured layer, int32 [layers, B, topk]
     index_impl: the indexer's logits implementation ("torch", "triton", "reference")
-    topk_impl: the step's top-k: None (``select_tokens``' default), "torch", "triton", or
+    topk_impl: the step's top-k: None (``select_tokens``' default), "torch", "triton", "cuda", or
         "candidates" (appended by the logits kernel, ``indexer.logits_with_candidates``; needs
         index_impl "triton")
     impl, precision: how each path's backend is picked (``pick``)

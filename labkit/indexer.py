@@ -23,8 +23,9 @@ indexer does. Three implementations of the logits: "reference" (float64 on the s
 "torch" (keys widened, einsum, relu, weighted sum) and "triton" (labkit.kernels.index_logits,
 reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
 ``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
-implementations of the top-k (``topk_impl``): "torch" (``torch.topk``) and "triton"
-(labkit.kernels.topk_select); None picks ``default_topk_impl``: where it measured faster.
+implementations of the top-k (``topk_impl``): "torch" (``torch.topk``), "triton"
+(labkit.kernels.topk_select) and, on CUDA only, "cuda" (labkit.kernels.topk_cuda); None picks
+``default_topk_impl``: where it measured faster.
 """
 from __future__ import annotations
 
@@ -278,7 +279,7 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 
 
 # -- top-k slots ---------------------------------------------------------------------------------
-TOPK_IMPLS = ("torch", "triton")
+TOPK_IMPLS = ("torch", "triton", "cuda")
 
 
 def default_topk_impl(device) -> str:
@@ -296,7 +297,8 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     """logits [B, max_len] (-inf past each length) -> slots int32 [B, index_topk]: global token ids
     of each request's best tokens, unsorted; a request with kv_lens[b] <= index_topk gets all its
     tokens in context order, then -1. ``topk_impl``: "torch" (``torch.topk``), "triton"
-    (labkit.kernels.topk_select; float64 logits are rounded to float32 first) or None
+    (labkit.kernels.topk_select), "cuda" (labkit.kernels.topk_cuda, CUDA devices only; both kernels
+    round float64 logits to float32 first) or None
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
@@ -306,8 +308,8 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
                          "Indexer.topk(layer, 'triton', topk_impl='candidates') or logits_and_slots")
     if topk_impl not in TOPK_IMPLS:
         raise ValueError(f"topk_impl={topk_impl!r}; allowed: {list(TOPK_IMPLS)} or None")
-    if topk_impl == "triton":
-        slots = _slots_triton(logits, batch, index_topk)
+    if topk_impl in ("triton", "cuda"):
+        slots = _slots_kernel(logits, batch, index_topk, topk_impl)
         if check:
             check_slots(batch, slots)
         return slots
@@ -322,14 +324,15 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     return slots
 
 
-def _slots_triton(logits: torch.Tensor, batch: DecodeBatch, index_topk: int) -> torch.Tensor:
+def _slots_kernel(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, topk_impl: str) -> torch.Tensor:
+    from .kernels.topk_cuda import topk_cuda
     from .kernels.topk_select import topk_select
 
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size or logits.shape[1] < batch.max_len:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; the batch needs ({batch.batch_size}, "
                          f">= {batch.max_len}) (requests, longest context)")
-    return topk_select(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size,
-                       index_topk)
+    fn = topk_cuda if topk_impl == "cuda" else topk_select
+    return fn(logits.float(), batch.kv_lens, batch.kv_indptr, batch.kv_indices, batch.page_size, index_topk)
 
 
 def _at(mask: torch.Tensor, token_indices: torch.Tensor) -> str:

@@ -17,7 +17,7 @@ SEED_POOL_TOKENS = -(-495_000 // PAGE_SIZE) * PAGE_SIZE  # 495,040: the study's 
 # auto: backends.select, the fastest implementation measured here that allows the call (torch on a
 # CPU); any other name picks that implementation where the path has it (select elsewhere)
 IMPLS = ("auto", "torch", "triton", "seed", "triton_q8", "gluon", "gluon_acc", "triton_rows", "triton_rows_acc", "flashinfer")
-STEP_TOPK_IMPLS = (None, "torch", "triton", "candidates")  # labkit.dsa.DsaLab.topk_impl
+STEP_TOPK_IMPLS = (None, "torch", "triton", "cuda", "candidates")  # labkit.dsa.DsaLab.topk_impl
 PRECISIONS = ("fast", "accurate")  # backends.PRECISIONS: accurate = rel. error <= 3e-3
 
 DEFAULTS = dict(

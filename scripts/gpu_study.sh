@@ -56,7 +56,7 @@ for s in $stages; do
              tests/test_timing.py tests/test_memory.py tests/test_profiling.py tests/test_roofline.py tests/test_peers.py \
              tests/test_lab.py tests/test_gluon.py tests/test_plans.py tests/test_graphs.py tests/test_rows_kernel.py \
              tests/test_indexer.py tests/test_sparse_paths.py tests/test_dsa.py tests/test_rows_plan.py \
-             tests/test_topk_select.py} ;;
+             tests/test_topk_select.py tests/test_topk_cuda.py} ;;
     rows) stage rows "${T_rows:-300}" python3 scripts/gpu_rows.py --out "$run_dir/rows" ;;
     kernels) stage kernels "${T_kernels:-80}" python3 scripts/gpu_kernels.py --quick --out "$run_dir/kernels" ;;
     gluon) stage gluon "${T_gluon:-150}" python3 scripts/gpu_gluon.py --out "$run_dir/gluon" ${GLUON_ARGS:-} ;;

@@ -13,7 +13,8 @@ A table last; gpu_topk.json and gpu_topk.csv under --out, rewritten after every 
         [--tunings atomic atomic_w16]
     python3 scripts/gpu_topk.py --device cpu --small --out /tmp/topk   # tiny shapes, Triton's interpreter
 
---sweep also times top-k tunings (splits, warps, tiles, how the rounds count, a sampled prefilter) at
+--sweep also times top-k tunings (splits, warps, tiles, how the rounds count, a sampled prefilter, the
+CUDA C kernel) at
 every shape, each checked first, alone and after the logits.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from labkit import config, envinfo, kvpool, timing  # noqa: E402
 from labkit.indexer import (INDEX_PAGE, IndexCache, index_page_bytes, logits_and_slots, logits_triton,  # noqa: E402
                             positions_of, quantize_index_keys, quantize_index_query, sample_table, select_tokens,
                             token_ids)
+from labkit.kernels.topk_cuda import topk_cuda  # noqa: E402
 from labkit.kernels.topk_select import auto_splits, topk_select  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (64, 8192), (64, 32768), (64, 131072), (128, 32768)]
@@ -74,6 +76,11 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "lg_tma_t4": dict(logits=dict(tma=True, tiles=4)), "lg_tma_t16_s3": dict(logits=dict(tma=True, tiles=16, num_stages=3)),
     "lg_t4": dict(logits=dict(tiles=4)), "lg_t16_s3": dict(logits=dict(tiles=16, num_stages=3)),
     # 128-position tiles (run 21 on the H200: 75.9 against 79.8 us at 64 x 32K): their tile count, wider ones
+    # the top-k in CUDA C (labkit.kernels.topk_cuda): one block a request, keys in shared memory
+    "cuda": dict(impl="cuda"), "cuda_agg": dict(impl="cuda", agg=True), "cuda_t512": dict(impl="cuda", threads=512),
+    "cuda_t256": dict(impl="cuda", threads=256), "cuda_db8": dict(impl="cuda", digit_bits=8),
+    "cuda_db12": dict(impl="cuda", digit_bits=12), "cuda_nocache": dict(impl="cuda", cache=False),
+    "cuda_u8": dict(impl="cuda", unroll=8), "cuda_u1": dict(impl="cuda", unroll=1),
     "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
     "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),
 }
@@ -103,10 +110,10 @@ class Case:
     def index(self, layer: int, **tuning) -> torch.Tensor:
         return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, **tuning)
 
-    def triton_topk(self, logits, **kw) -> torch.Tensor:
-        """topk_select with ``kw``."""
-        b = self.batch
-        return topk_select(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
+    def triton_topk(self, logits, impl: str = "triton", **kw) -> torch.Tensor:
+        """topk_select (impl "triton") or topk_cuda (impl "cuda") with ``kw``."""
+        b, fn = self.batch, topk_cuda if impl == "cuda" else topk_select
+        return fn(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
 
     def candidates(self, layer: int, sample: int, run: int = 1, select: dict | None = None) -> torch.Tensor:
         """Logits and slots with the top-k's candidates from the logits kernel (its slots); ``select``:

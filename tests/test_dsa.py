@@ -79,7 +79,7 @@ def test_bad_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match="index_n_heads=-2"):
         dsa.model_cfg("tiny", index_n_heads=-2)
     assert dsa.model_cfg("glm5", 512, 8).index_topk == 512 and dsa.model_cfg("glm5").index_n_heads == 32
-    with pytest.raises(ValueError, match=r"topk_impl='heap'; allowed: \[None, 'torch', 'triton', 'candidates'\]"):
+    with pytest.raises(ValueError, match=r"topk_impl='heap'; allowed: \[None, 'torch', 'triton', 'cuda', 'candidates'\]"):
         _lab(topk_impl="heap")
     with pytest.raises(ValueError, match="topk_impl='candidates' needs the Triton indexer"):
         _lab(topk_impl="candidates")  # impl 'auto' on a CPU: the torch indexer

@@ -1,0 +1,339 @@
+"""Top-k token selection for the DSA indexer in CUDA C (compiled at run time by NVRTC): the contract
+of ``labkit.kernels.topk_select`` (same arguments, same slots), one block of ``threads`` a request.
+
+Why CUDA. Every Triton top-k measured (runs 10-24, nine designs) spent its time in block-level
+primitives: ``tl.histogram`` is a ballot per digit bit and a popc per bin a lane owns, and each
+round ends at a barrier. Here a key costs one shared-memory atomic (or one ``match.any`` and one
+atomic a warp's equal digits, ``agg``), and the writes of slots and candidates are aggregated a
+warp at a time (one ballot, one atomic, a popc per lane).
+
+Method, per request of n > topk positions (keys: the float32 logits as uint32 whose order is the
+float order, NaN as -inf, -0.0 as +0.0):
+1. one pass reads the row, keeps its keys in shared memory (rows of at most ``cache_cap`` keys;
+   longer rows are read again from global memory, mostly L2) and takes their max and min; the
+   bits above the highest bit where max and min differ are common to every key;
+2. rounds of ``digit_bits``-bit digits just below the bits fixed so far: a histogram of the keys
+   that share those bits, then the bin holding the k-th largest (a block scan), until that bin
+   holds at most ``CAP`` keys, or exactly the keys still missing, or every bit is fixed;
+3. a pass writes the slots of the keys above the fixed bits and copies the keys equal to them
+   (with their positions) into shared memory; rounds over these candidates fix the remaining
+   bits; a last pass writes the candidates above the k-th key, then as many equal to it as are
+   missing (ties taken in no set order).
+Because the first digit starts where max and min part, logits of one narrow range (the usual
+case) are split by their mantissa at once; a row with outliers takes one or two more rounds.
+
+Slots as ``topk_select``: int32 [B, topk], global token ids (position p of request b is token
+kv_indices[kv_indptr[b] + p // page_size] * page_size + p % page_size); a request with kv_lens[b]
+<= topk gets all its tokens in context order, then -1; a longer one exactly topk distinct tokens,
+in no set order.
+
+Bytes per request of n > topk: 4 n read once (rows of at most cache_cap keys) or once per round
+(longer rows), 4 B per slot written and 4 B of page table read per slot. Shared memory:
+4 * (2^digit_bits + 2 * CAP + cache_cap) bytes a block.
+"""
+from __future__ import annotations
+
+import torch
+
+CAP = 4096  # candidates kept in shared memory (key + position)
+_DEFINES = ("THREADS", "DB", "AGG", "CAP", "UNROLL")
+
+_SRC = r"""
+#define FULL 0xffffffffu
+#define NB (1 << DB)
+#define NW (THREADS / 32)
+#define BPT (NB >= THREADS ? NB / THREADS : 1)
+
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+// float32 -> uint32 whose unsigned order is the float order; NaN counts as -inf, -0.0 as +0.0
+__device__ __forceinline__ unsigned ukey(float x) {
+  if (!(x == x)) x = __int_as_float(0xff800000);
+  if (x == 0.0f) x = 0.0f;
+  unsigned b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+struct Shared {
+  int above, ties, ncand;       // slots written above the fixed bits; ties written; candidates kept
+  unsigned kmax, kmin;
+  int d, dabove, dcnt;          // the chosen bin, keys in larger bins, keys in it
+  int wsum[NW];
+};
+
+struct RowSrc {  // a row read from global memory
+  const float* row;
+  __device__ __forceinline__ unsigned key(int i) const { return ukey(__ldg(row + i)); }
+  __device__ __forceinline__ int pos(int i) const { return i; }
+};
+struct KeySrc {  // keys in shared memory, with their positions (candidates) or not (a cached row)
+  const unsigned* k; const int* p;
+  __device__ __forceinline__ unsigned key(int i) const { return k[i]; }
+  __device__ __forceinline__ int pos(int i) const { return p ? p[i] : i; }
+};
+
+// exclusive prefix sum over the block's threads (in thread order)
+__device__ int block_excl_scan(int v, int* wsum) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) { int y = __shfl_up_sync(FULL, x, o); if (lane >= o) x += y; }
+  if (lane == 31) wsum[w] = x;
+  __syncthreads();
+  if (w == 0) {
+    int s = lane < NW ? wsum[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) { int y = __shfl_up_sync(FULL, s, o); if (lane >= o) s += y; }
+    __syncwarp();
+    if (lane < NW) wsum[lane] = s;
+  }
+  __syncthreads();
+  int r = (w ? wsum[w - 1] : 0) + x - v;
+  __syncthreads();
+  return r;
+}
+
+// one index per lane with p set, from a counter shared by the block: one atomic a warp
+__device__ __forceinline__ int agg_index(bool p, int* counter) {
+  unsigned m = __ballot_sync(FULL, p);
+  if (m == 0u) return -1;
+  const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+  int base = 0;
+  if (lane == leader) base = atomicAdd(counter, __popc(m));
+  base = __shfl_sync(FULL, base, leader);
+  return p ? base + __popc(m & ((1u << lane) - 1u)) : -1;
+}
+
+// histogram of digit (key >> lo) & dmask over the n keys whose fixed bits (pmask) equal pre
+template <class Src>
+__device__ void histogram(const Src& src, int n, unsigned pre, unsigned pmask, int lo, unsigned dmask, int* hist) {
+  for (int i = threadIdx.x; i < NB; i += THREADS) hist[i] = 0;
+  __syncthreads();
+  for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
+    unsigned k[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; k[u] = i < n ? src.key(i) : 0u; }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int i = i0 + u * THREADS + threadIdx.x;
+      bool ok = i < n && (k[u] & pmask) == pre;
+      unsigned dig = (k[u] >> lo) & dmask;
+#if AGG
+      unsigned peers = __match_any_sync(FULL, ok ? dig : 0xffffffffu);
+      if (ok && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(hist + dig, __popc(peers));
+#else
+      if (ok) atomicAdd(hist + dig, 1);
+#endif
+    }
+  }
+  __syncthreads();
+}
+
+// the bin holding the need-th largest key: s.d, s.dabove (keys in larger bins), s.dcnt
+__device__ void select_bin(const int* hist, int need, Shared& s) {
+  const int t = threadIdx.x;
+  int h[BPT], sum = 0;
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) { int bin = NB - 1 - (t * BPT + j); h[j] = bin >= 0 ? hist[bin] : 0; sum += h[j]; }
+  int acc = block_excl_scan(sum, s.wsum);  // keys in the bins above this thread's
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) {
+    if (acc < need && acc + h[j] >= need) { s.d = NB - 1 - (t * BPT + j); s.dabove = acc; s.dcnt = h[j]; }
+    acc += h[j];
+  }
+  __syncthreads();
+}
+
+// keys above the fixed bits -> slots; keys equal to them -> candidates (cand) or, all bits being
+// fixed, slots for the first `need` of them
+template <class Src>
+__device__ void emit(const Src& src, int n, unsigned pre, unsigned pmask, bool cand, int need, int topk,
+                     int* out, const int* pages, int page_size, unsigned* ckey, int* cpos, Shared& s) {
+  for (int i0 = 0; i0 < n; i0 += THREADS) {
+    int i = i0 + threadIdx.x;
+    unsigned k = i < n ? src.key(i) : 0u, m = k & pmask;
+    bool gt = i < n && m > pre, eq = i < n && m == pre;
+    int a = agg_index(gt, &s.above);
+    if (gt) { int p = src.pos(i); out[a] = pages[p / page_size] * page_size + p % page_size; }
+    int e = agg_index(eq, cand ? &s.ncand : &s.ties);
+    if (eq && cand) { ckey[e] = k; cpos[e] = src.pos(i); }
+    if (eq && !cand && e < need) { int p = src.pos(i); out[topk - need + e] = pages[p / page_size] * page_size + p % page_size; }
+  }
+}
+
+// rounds over src until the bin is small enough (row) or every bit is fixed (candidates)
+template <class Src>
+__device__ bool rounds(const Src& src, int n, unsigned& pre, unsigned& pmask, int& hi, int& need, bool row,
+                       int* hist, Shared& s) {
+  while (true) {
+    int lo = imax(0, hi + 1 - DB);
+    unsigned dmask = (1u << (hi - lo + 1)) - 1u;
+    histogram(src, n, pre, pmask, lo, dmask, hist);
+    select_bin(hist, need, s);
+    need -= s.dabove;
+    int cnt = s.dcnt;
+    pre |= (unsigned)s.d << lo;
+    pmask |= dmask << lo;
+    hi = lo - 1;
+    if (lo == 0 || cnt == need) return true;     // the k-th key's bits are all known, or its bin is taken whole
+    if (row && cnt <= CAP) return false;         // few enough to keep as candidates
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
+    const float* __restrict__ logits, int row_stride, const int* __restrict__ kv_lens,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, int page_size, int topk,
+    int* __restrict__ slots, int cache_cap) {
+  extern __shared__ int dyn[];
+  __shared__ Shared s;
+  int* hist = dyn;
+  unsigned* ckey = (unsigned*)(dyn + NB);
+  int* cpos = dyn + NB + CAP;
+  unsigned* keys = (unsigned*)(dyn + NB + 2 * CAP);
+  const int b = blockIdx.x, n = kv_lens[b];
+  int* out = slots + (long long)b * topk;
+  const int* pages = kv_indices + kv_indptr[b];
+  if (n <= topk) {
+    for (int i = threadIdx.x; i < topk; i += THREADS) out[i] = i < n ? pages[i / page_size] * page_size + i % page_size : -1;
+    return;
+  }
+  if (threadIdx.x == 0) { s.above = 0; s.ties = 0; s.ncand = 0; s.kmax = 0u; s.kmin = 0xffffffffu; }
+  const RowSrc grow{logits + (long long)b * row_stride};
+  const bool cached = n <= cache_cap;
+  unsigned kmax = 0u, kmin = 0xffffffffu;
+  for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
+    unsigned k[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; k[u] = i < n ? grow.key(i) : 0u; }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int i = i0 + u * THREADS + threadIdx.x;
+      if (i < n) { if (cached) keys[i] = k[u]; kmax = k[u] > kmax ? k[u] : kmax; kmin = k[u] < kmin ? k[u] : kmin; }
+    }
+  }
+  kmax = __reduce_max_sync(FULL, kmax);
+  kmin = __reduce_min_sync(FULL, kmin);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) { atomicMax(&s.kmax, kmax); atomicMin(&s.kmin, kmin); }
+  __syncthreads();
+  const unsigned x = s.kmax ^ s.kmin;
+  int need = topk, hi = x ? 31 - __clz(x) : -1;
+  unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;  // hi == -1: every bit fixed
+  const KeySrc crow{keys, nullptr};
+  bool done = hi < 0 || (cached ? rounds(crow, n, pre, pmask, hi, need, true, hist, s)
+                                : rounds(grow, n, pre, pmask, hi, need, true, hist, s));
+  if (cached) emit(crow, n, pre, pmask, !done, need, topk, out, pages, page_size, ckey, cpos, s);
+  else emit(grow, n, pre, pmask, !done, need, topk, out, pages, page_size, ckey, cpos, s);
+  if (done) return;
+  __syncthreads();
+  const KeySrc cand{ckey, cpos};
+  const int nc = s.ncand;
+  rounds(cand, nc, pre, pmask, hi, need, false, hist, s);
+  emit(cand, nc, pre, pmask, false, need, topk, out, pages, page_size, ckey, cpos, s);
+}
+"""
+
+_KERNELS: dict = {}
+
+
+def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4) -> str:
+    """The CUDA C source with its compile-time constants defined (``nvcc -cubin`` takes it too)."""
+    vals = dict(THREADS=threads, DB=digit_bits, AGG=int(agg), CAP=CAP, UNROLL=unroll)
+    return "".join(f"#define {k} {vals[k]}\n" for k in _DEFINES) + _SRC
+
+
+def _compiled(device: torch.device, threads: int, digit_bits: int, agg: bool, unroll: int):
+    key = (device.index, threads, digit_bits, agg, unroll)
+    if key not in _KERNELS:
+        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+        if compile_kernel is None:
+            raise RuntimeError(f"topk_cuda needs torch.cuda._compile_kernel (NVRTC), absent in torch {torch.__version__}")
+        with torch.cuda.device(device):
+            _KERNELS[key] = compile_kernel(source(threads, digit_bits, agg, unroll), "topk_radix_cuda")
+    return _KERNELS[key]
+
+
+def _smem_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+
+
+def max_cache(device: torch.device, digit_bits: int = 11) -> int:
+    """The longest row whose keys the block keeps in shared memory (a multiple of 1024)."""
+    free = _smem_limit(device) - 4 * ((1 << digit_bits) + 2 * CAP) - 1024  # 1 KiB for the static part
+    return max(0, free // 4096 * 1024)
+
+
+def _set_smem(kernel, device: torch.device, nbytes: int) -> None:
+    """Allow ``nbytes`` of dynamic shared memory (the driver's attribute, set once per size)."""
+    if nbytes <= getattr(kernel, "_max_shared_mem_bytes", 0) or nbytes < 48 * 1024:
+        kernel._max_shared_mem_bytes = max(nbytes, getattr(kernel, "_max_shared_mem_bytes", 0))
+        return
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    with torch.cuda.device(device):
+        _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, nbytes))  # MAX_DYNAMIC_SHARED_SIZE
+    kernel._max_shared_mem_bytes = nbytes
+
+
+def _check(name, t, dtype, dims):
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
+
+
+def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, threads: int = 1024,
+              digit_bits: int = 11, agg: bool = False, unroll: int = 4, cache: bool = True) -> torch.Tensor:
+    """Global token slots of each request's ``topk`` largest logits, one CUDA block a request.
+
+    Parameters
+    ----------
+    logits : [B, max_len] torch.float32 on a CUDA device, rows contiguous (any row stride);
+        positions >= kv_lens[b] are never read.
+    kv_lens : [B] int32; kv_indptr : [B + 1] int32; kv_indices : [nnz] int32 KV page ids.
+    page_size : KV page size (>= 1); topk : slots per request (>= 1).
+    threads : threads a block (128, 256, 512 or 1024); digit_bits : bits a radix round (8..12);
+    agg : count a warp's equal digits with one atomic (``match.any``); unroll : keys a thread loads
+    at once; cache : keep rows of at most ``max_cache`` keys in shared memory.
+
+    Returns
+    -------
+    slots : [B, topk] torch.int32, as ``labkit.kernels.topk_select``.
+    """
+    _check("logits", logits, torch.float32, 2)
+    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        _check(name, t, torch.int32, 1)
+    B, T = logits.shape
+    if kv_lens.numel() != B:
+        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
+    if kv_indptr.numel() != B + 1:
+        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
+    if T > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
+    for name, v in (("topk", topk), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    if threads not in (128, 256, 512, 1024):
+        raise ValueError(f"threads={threads!r}: must be 128, 256, 512 or 1024")
+    if digit_bits not in (8, 9, 10, 11, 12):
+        raise ValueError(f"digit_bits={digit_bits!r}: must be an integer in 8..12")
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll={unroll!r}: must be 1, 2, 4 or 8")
+    dev = logits.device
+    if dev.type != "cuda":
+        raise ValueError(f"topk_cuda runs on a CUDA device; logits are on {dev} (use topk_select or torch.topk)")
+    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}; logits on {dev}")
+    out = torch.empty(B, topk, dtype=torch.int32, device=dev)
+    if B == 0:
+        return out
+    kernel = _compiled(dev, threads, digit_bits, bool(agg), unroll)
+    cache_cap = min(T, max_cache(dev, digit_bits)) if cache else 0
+    smem = 4 * ((1 << digit_bits) + 2 * CAP + cache_cap)
+    _set_smem(kernel, dev, smem)
+    kv_indices = kv_indices if kv_indices.numel() else kv_indptr  # never read; a valid pointer
+    kernel(grid=(B, 1, 1), block=(threads, 1, 1), shared_mem=smem,
+           args=[logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, page_size, topk, out, cache_cap])
+    return out
