@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 CAP = 4096  # candidates kept in shared memory (key + position)
-_DEFINES = ("THREADS", "DB", "AGG", "CAP", "UNROLL")
+_DEFINES = ("THREADS", "DB", "AGG", "CAP", "UNROLL", "SAMPLE")
 
 _SRC = r"""
 #define FULL 0xffffffffu
@@ -161,11 +161,12 @@ __device__ void emit(const Src& src, int n, unsigned pre, unsigned pmask, bool c
   }
 }
 
-// rounds over src until the bin is small enough (row) or every bit is fixed (candidates)
+// rounds over src until the bin is small enough (row) or every bit is fixed (candidates), at most
+// max_rounds; true when the k-th key's bits are all known or its bin is taken whole
 template <class Src>
 __device__ bool rounds(const Src& src, int n, unsigned& pre, unsigned& pmask, int& hi, int& need, bool row,
-                       int* hist, Shared& s) {
-  while (true) {
+                       int* hist, Shared& s, int max_rounds = 32) {
+  for (int r = 0; r < max_rounds; ++r) {
     int lo = imax(0, hi + 1 - DB);
     unsigned dmask = (1u << (hi - lo + 1)) - 1u;
     histogram(src, n, pre, pmask, lo, dmask, hist);
@@ -175,9 +176,63 @@ __device__ bool rounds(const Src& src, int n, unsigned& pre, unsigned& pmask, in
     pre |= (unsigned)s.d << lo;
     pmask |= dmask << lo;
     hi = lo - 1;
-    if (lo == 0 || cnt == need) return true;     // the k-th key's bits are all known, or its bin is taken whole
+    if (lo == 0 || cnt == need) return true;
     if (row && cnt <= CAP) return false;         // few enough to keep as candidates
   }
+  return false;
+}
+
+template <class Src>
+struct Strided {  // every stride-th key of src
+  Src src; int stride;
+  __device__ __forceinline__ unsigned key(int i) const { return src.key(i * stride); }
+  __device__ __forceinline__ int pos(int i) const { return src.pos(i * stride); }
+};
+
+// The sampled threshold: a key T that about topk * (1 + margin) keys of the row reach, from the
+// rank of SAMPLE evenly spaced keys (two rounds); the keys >= T become the candidates, and if they
+// are at least topk and at most CAP, the top-k is selected among them. Otherwise (the sample
+// misjudged the row) false, nothing written, and the full rounds run.
+template <class Src>
+__device__ bool sampled(const Src& src, int n, int topk, int* out, const int* pages, int page_size, int* hist,
+                        unsigned* ckey, int* cpos, Shared& s) {
+  const int r = (int)(((long long)topk * SAMPLE + n - 1) / n);
+  int need = r + 3 * (int)__fsqrt_rn((float)r) + 16;
+  need = need < SAMPLE ? need : SAMPLE;
+  int hi = 31 - __clz(s.kmax ^ s.kmin);
+  unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;
+  const Strided<Src> smp{src, n / SAMPLE};
+  rounds(smp, SAMPLE, pre, pmask, hi, need, false, hist, s, 2);
+  const unsigned T = pre;
+  for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
+    unsigned k[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; k[u] = i < n ? src.key(i) : 0u; }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int i = i0 + u * THREADS + threadIdx.x;
+      bool p = i < n && k[u] >= T;
+      int c = agg_index(p, &s.ncand);
+      if (p && c < CAP) { ckey[c] = k[u]; cpos[c] = src.pos(i); }
+    }
+  }
+  __syncthreads();
+  const int nc = s.ncand;
+  if (nc < topk || nc > CAP) {
+    __syncthreads();
+    if (threadIdx.x == 0) s.ncand = 0;
+    __syncthreads();
+    return false;
+  }
+  const unsigned x = s.kmax ^ T;  // every candidate lies in [T, kmax]
+  hi = x ? 31 - __clz(x) : -1;
+  pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u);
+  pre = s.kmax & pmask;
+  need = topk;
+  const KeySrc cand{ckey, cpos};
+  if (hi >= 0) rounds(cand, nc, pre, pmask, hi, need, false, hist, s);
+  emit(cand, nc, pre, pmask, false, need, topk, out, pages, page_size, ckey, cpos, s);
+  return true;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
@@ -220,6 +275,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
   int need = topk, hi = x ? 31 - __clz(x) : -1;
   unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;  // hi == -1: every bit fixed
   const KeySrc crow{keys, nullptr};
+  if (SAMPLE && x && n >= 4 * topk && n >= 2 * SAMPLE &&
+      (cached ? sampled(crow, n, topk, out, pages, page_size, hist, ckey, cpos, s)
+              : sampled(grow, n, topk, out, pages, page_size, hist, ckey, cpos, s)))
+    return;
   bool done = hi < 0 || (cached ? rounds(crow, n, pre, pmask, hi, need, true, hist, s)
                                 : rounds(grow, n, pre, pmask, hi, need, true, hist, s));
   if (cached) emit(crow, n, pre, pmask, !done, need, topk, out, pages, page_size, ckey, cpos, s);
@@ -236,20 +295,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
 _KERNELS: dict = {}
 
 
-def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4) -> str:
+def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4, sample: int = 2048) -> str:
     """The CUDA C source with its compile-time constants defined (``nvcc -cubin`` takes it too)."""
-    vals = dict(THREADS=threads, DB=digit_bits, AGG=int(agg), CAP=CAP, UNROLL=unroll)
+    vals = dict(THREADS=threads, DB=digit_bits, AGG=int(agg), CAP=CAP, UNROLL=unroll, SAMPLE=sample)
     return "".join(f"#define {k} {vals[k]}\n" for k in _DEFINES) + _SRC
 
 
-def _compiled(device: torch.device, threads: int, digit_bits: int, agg: bool, unroll: int):
-    key = (device.index, threads, digit_bits, agg, unroll)
+def _compiled(device: torch.device, threads: int, digit_bits: int, agg: bool, unroll: int, sample: int):
+    key = (device.index, threads, digit_bits, agg, unroll, sample)
     if key not in _KERNELS:
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
         if compile_kernel is None:
             raise RuntimeError(f"topk_cuda needs torch.cuda._compile_kernel (NVRTC), absent in torch {torch.__version__}")
         with torch.cuda.device(device):
-            _KERNELS[key] = compile_kernel(source(threads, digit_bits, agg, unroll), "topk_radix_cuda")
+            _KERNELS[key] = compile_kernel(source(threads, digit_bits, agg, unroll, sample), "topk_radix_cuda")
     return _KERNELS[key]
 
 
@@ -284,7 +343,8 @@ def _check(name, t, dtype, dims):
 
 
 def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, threads: int = 1024,
-              digit_bits: int = 11, agg: bool = False, unroll: int = 4, cache: bool = True) -> torch.Tensor:
+              digit_bits: int = 11, agg: bool = False, unroll: int = 4, cache: bool = True,
+              sample: int = 2048) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits, one CUDA block a request.
 
     Parameters
@@ -295,7 +355,9 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     page_size : KV page size (>= 1); topk : slots per request (>= 1).
     threads : threads a block (128, 256, 512 or 1024); digit_bits : bits a radix round (8..12);
     agg : count a warp's equal digits with one atomic (``match.any``); unroll : keys a thread loads
-    at once; cache : keep rows of at most ``max_cache`` keys in shared memory.
+    at once; cache : keep rows of at most ``max_cache`` keys in shared memory; sample : 0, or the
+    keys (1024, 2048, 4096) whose rank sets a threshold that keeps the candidates (rows of at least
+    4 topk and 2 sample keys).
 
     Returns
     -------
@@ -320,6 +382,8 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
         raise ValueError(f"digit_bits={digit_bits!r}: must be an integer in 8..12")
     if unroll not in (1, 2, 4, 8):
         raise ValueError(f"unroll={unroll!r}: must be 1, 2, 4 or 8")
+    if sample not in (0, 1024, 2048, 4096):
+        raise ValueError(f"sample={sample!r}: must be 0, 1024, 2048 or 4096")
     dev = logits.device
     if dev.type != "cuda":
         raise ValueError(f"topk_cuda runs on a CUDA device; logits are on {dev} (use topk_select or torch.topk)")
@@ -329,7 +393,7 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     out = torch.empty(B, topk, dtype=torch.int32, device=dev)
     if B == 0:
         return out
-    kernel = _compiled(dev, threads, digit_bits, bool(agg), unroll)
+    kernel = _compiled(dev, threads, digit_bits, bool(agg), unroll, sample)
     cache_cap = min(T, max_cache(dev, digit_bits)) if cache else 0
     smem = 4 * ((1 << digit_bits) + 2 * CAP + cache_cap)
     _set_smem(kernel, dev, smem)

@@ -43,12 +43,13 @@ def test_bad_arguments():
         (dict(threads=100), r"threads=100: must be 128, 256, 512 or 1024"),
         (dict(digit_bits=13), r"digit_bits=13: must be an integer in 8..12"),
         (dict(unroll=3), r"unroll=3: must be 1, 2, 4 or 8"),
+        (dict(sample=512), r"sample=512: must be 0, 1024, 2048 or 4096"),
         (dict(), r"topk_cuda runs on a CUDA device; logits are on cpu"),
     ]
     base = dict(logits=x, kv_lens=lens, kv_indptr=indptr, kv_indices=indices, page_size=4, topk=8)
     for kw, msg in cases:
         a = {**base, **kw}
-        extra = {k: a.pop(k) for k in ("threads", "digit_bits", "unroll") if k in a}
+        extra = {k: a.pop(k) for k in ("threads", "digit_bits", "unroll", "sample") if k in a}
         with pytest.raises(ValueError, match=msg):
             topk_cuda(a["logits"], a["kv_lens"], a["kv_indptr"], a["kv_indices"], a["page_size"], a["topk"], **extra)
 
@@ -63,7 +64,7 @@ def test_select_tokens_names_cuda():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-@pytest.mark.parametrize("kw", [dict(), dict(agg=True, threads=256, digit_bits=8, unroll=8)])
+@pytest.mark.parametrize("kw", [dict(), dict(agg=True, threads=256, digit_bits=8, unroll=8, sample=0)])
 def test_source_compiles_for_sm90_without_spills(tmp_path, kw):
     """The source NVRTC gets, through nvcc: it compiles for sm_90, no stack, no spill."""
     src = tmp_path / "topk.cu"
@@ -76,7 +77,7 @@ def test_source_compiles_for_sm90_without_spills(tmp_path, kw):
 
 # -- on a GPU ----------------------------------------------------------------------------------
 TUNINGS = [dict(), dict(agg=True), dict(threads=256), dict(digit_bits=8), dict(digit_bits=12, unroll=1),
-           dict(cache=False), dict(threads=128, agg=True, unroll=8)]
+           dict(cache=False), dict(threads=128, agg=True, unroll=8), dict(sample=0), dict(sample=4096, cache=False)]
 
 
 @pytest.mark.gpu
@@ -84,10 +85,13 @@ TUNINGS = [dict(), dict(agg=True), dict(threads=256), dict(digit_bits=8), dict(d
 @pytest.mark.parametrize("kw", TUNINGS)
 def test_gpu_every_kind_of_row(kw):
     """_rows' kinds (ties at the k-th, all negative, -inf, all equal, a heavy tail, outliers, NaN) at
-    top-2048 of 20000, and short lengths, against float64 sorting; pages of 16."""
+    top-2048 of 20000, short lengths, and rows that the sampled threshold misjudges, against float64
+    sorting; pages of 16."""
     T, topk, page = 20000, 2048, 16
-    lens = [20000, 19000, 2049, 15000, 9000, 20000, 12000, 17000, 0, 1, 2048]
-    x = torch.cat([_rows(T, torch.Generator().manual_seed(7)), torch.randn(3, T)])
+    lens = [20000, 19000, 2049, 15000, 9000, 20000, 12000, 17000, 0, 1, 2048, 20000, 20000]
+    x = torch.cat([_rows(T, torch.Generator().manual_seed(7)), torch.randn(5, T)])
+    x[11, ::9] += 100.0  # the sample (every 9th key) sees only large keys: too few reach its threshold
+    x[12, ::9] -= 100.0  # it sees only small ones: too many reach it; both fall back to the full rounds
     indptr, indices = _table(lens, page, seed=3)
     got = topk_cuda(x.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(), indptr.cuda(), indices.cuda(), page,
                     topk, **kw)
