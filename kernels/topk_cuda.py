@@ -293,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
 """
 
 _KERNELS: dict = {}
+_AVAILABLE: dict = {}  # device index -> whether the default kernel compiled
 
 
 def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4, sample: int = 2048) -> str:
@@ -310,6 +311,21 @@ def _compiled(device: torch.device, threads: int, digit_bits: int, agg: bool, un
         with torch.cuda.device(device):
             _KERNELS[key] = compile_kernel(source(threads, digit_bits, agg, unroll, sample), "topk_radix_cuda")
     return _KERNELS[key]
+
+
+def available(device) -> bool:
+    """Whether the default kernel compiles on ``device`` (a CUDA device with NVRTC); tried once."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device.index not in _AVAILABLE:
+        try:
+            _compiled(device, 1024, 11, False, 4, 2048)
+            _AVAILABLE[device.index] = True
+        except Exception:  # noqa: BLE001 - no NVRTC, an older torch: the Triton top-k serves instead
+            _AVAILABLE[device.index] = False
+    return _AVAILABLE[device.index]
 
 
 def _smem_limit(device: torch.device) -> int:
