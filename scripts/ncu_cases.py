@@ -10,7 +10,8 @@ times; profile the last one:
     python3 scripts/ncu_cases.py --stalls OUT/gluon64_sass.csv > OUT/gluon64_stalls.txt   # any machine
 
 Cases (CASES): the Gluon decode dense 64 x 8K at 16 and 64 heads (fast, and accurate at 16), sparse
-top-2048 of 32K at 64 heads (per-tensor and fp8_ds_mla rows) and 128 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer). ``--stalls``
+top-2048 of 32K at 64 heads (per-tensor and fp8_ds_mla rows) and 128 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer),
+the CUDA top-k at 64 x 32K and 1 x 32K. ``--stalls``
 sums a source page's warp-stall samples: the share of each reason, then the instructions that hold
 the most samples.
 """
@@ -50,11 +51,11 @@ def gluon_case(H: int, B: int, L: int, topk: int = 0, ws: bool = False, kv_layou
                       gk.SM_SCALE, k_scale=k_scale, max_len=L, **kw)
 
 
-def indexer_case(part: str, B: int = 64, ctx: int = 32768):
+def indexer_case(part: str, B: int = 64, ctx: int = 32768, **kw):
     case = gpu_topk.Case(config.load_model("glm5"), B, ctx, layers=1, device="cuda")
     if part == "logits":
         return lambda: case.index(0)
-    return lambda: case.triton_topk(case.logits[0])
+    return lambda: case.triton_topk(case.logits[0], **kw)
 
 
 CASES = {
@@ -68,6 +69,8 @@ CASES = {
     "ws64_1": lambda: gluon_case(64, 1, 8192, ws=True),
     "logits": lambda: indexer_case("logits"),
     "topk": lambda: indexer_case("topk"),
+    "topk_cuda": lambda: indexer_case("topk", impl="cuda"),  # labkit.kernels.topk_cuda (kernel topk_radix_cuda)
+    "topk_cuda_1": lambda: indexer_case("topk", B=1, impl="cuda"),
 }
 
 
