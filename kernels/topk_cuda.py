@@ -9,34 +9,41 @@ warp at a time (one ballot, one atomic, a popc per lane).
 
 Method, per request of n > topk positions (keys: the float32 logits as uint32 whose order is the
 float order, NaN as -inf, -0.0 as +0.0):
-1. one pass reads the row, keeps its keys in shared memory (rows of at most ``cache_cap`` keys;
-   longer rows are read again from global memory, mostly L2) and takes their max and min; the
-   bits above the highest bit where max and min differ are common to every key;
-2. rounds of ``digit_bits``-bit digits just below the bits fixed so far: a histogram of the keys
-   that share those bits, then the bin holding the k-th largest (a block scan), until that bin
-   holds at most ``CAP`` keys, or exactly the keys still missing, or every bit is fixed;
-3. a pass writes the slots of the keys above the fixed bits and copies the keys equal to them
-   (with their positions) into shared memory; rounds over these candidates fix the remaining
-   bits; a last pass writes the candidates above the k-th key, then as many equal to it as are
-   missing (ties taken in no set order).
-Because the first digit starts where max and min part, logits of one narrow range (the usual
-case) are split by their mantissa at once; a row with outliers takes one or two more rounds.
+1. one pass reads the row (float4 loads where it is 16-byte aligned), keeps its keys in shared
+   memory (when the batch's longest row fits, ``layout``; otherwise every later pass reads the
+   row again, mostly from L2) and takes their max and min: the bits above the highest bit where
+   these differ are common to the row, so every digit starts below them;
+2. the sampled threshold (rows of at least 4 topk and 2 ``sample`` keys): two radix rounds over
+   ``sample`` evenly spaced keys give a key T that about topk * (1 + margin) keys of the row reach
+   (margin: 3 sqrt of the expected rank in the sample, + 16); a count pass, a block scan and a
+   write pass keep the keys >= T as candidates (no atomics); if there are at least topk of them
+   and at most ``cap``, radix rounds over the candidates select the top-k, and the row is done;
+3. otherwise (or with ``sample=0``), rounds of ``digit_bits``-bit digits over the whole row: a
+   shared-memory histogram (one atomic a key, or with ``agg`` one ``match.any`` and one atomic a
+   warp's equal digits) and a block scan for the k-th key's bin, until that bin holds at most
+   ``cap`` keys, or exactly the keys still missing, or every bit is fixed; a pass writes the keys
+   above it and keeps those in it as candidates, whose rounds fix the remaining bits;
+4. a last pass writes the candidates above the k-th key, then as many equal to it as are missing
+   (ties in no set order); slots are written warp-aggregated (a ballot, one atomic a warp).
+One digit over the whole row costs the most when the logits take both signs (the usual case): max
+and min then part at the sign bit, the first digit is sign, exponent and two mantissa bits, and
+most keys fall into a few bins whose atomics serialize (runs 25a-b).
 
 Slots as ``topk_select``: int32 [B, topk], global token ids (position p of request b is token
 kv_indices[kv_indptr[b] + p // page_size] * page_size + p % page_size); a request with kv_lens[b]
 <= topk gets all its tokens in context order, then -1; a longer one exactly topk distinct tokens,
 in no set order.
 
-Bytes per request of n > topk: 4 n read once (rows of at most cache_cap keys) or once per round
-(longer rows), 4 B per slot written and 4 B of page table read per slot. Shared memory:
-4 * (2^digit_bits + 2 * CAP + cache_cap) bytes a block.
+Bytes per request of n > topk: 4 n read once (rows kept in shared memory) or three times and more
+(rows that do not fit), 4 B per slot written and 4 B of page table read per slot. Shared memory:
+4 * (2^digit_bits + 2 * cap + cache_cap) bytes a block (``layout``).
 """
 from __future__ import annotations
 
 import torch
 
-CAP = 4096  # candidates kept in shared memory (key + position)
-_DEFINES = ("THREADS", "DB", "AGG", "CAP", "UNROLL", "SAMPLE")
+MIN_CAP, MAX_CAP = 4096, 16384  # candidates kept in shared memory (key + position): the least, the most
+_DEFINES = ("THREADS", "DB", "AGG", "UNROLL", "SAMPLE")
 
 _SRC = r"""
 #define FULL 0xffffffffu
@@ -165,7 +172,7 @@ __device__ void emit(const Src& src, int n, unsigned pre, unsigned pmask, bool c
 // max_rounds; true when the k-th key's bits are all known or its bin is taken whole
 template <class Src>
 __device__ bool rounds(const Src& src, int n, unsigned& pre, unsigned& pmask, int& hi, int& need, bool row,
-                       int* hist, Shared& s, int max_rounds = 32) {
+                       int* hist, Shared& s, int cap, int max_rounds = 32) {
   for (int r = 0; r < max_rounds; ++r) {
     int lo = imax(0, hi + 1 - DB);
     unsigned dmask = (1u << (hi - lo + 1)) - 1u;
@@ -177,7 +184,7 @@ __device__ bool rounds(const Src& src, int n, unsigned& pre, unsigned& pmask, in
     pmask |= dmask << lo;
     hi = lo - 1;
     if (lo == 0 || cnt == need) return true;
-    if (row && cnt <= CAP) return false;         // few enough to keep as candidates
+    if (row && cnt <= cap) return false;         // few enough to keep as candidates
   }
   return false;
 }
@@ -191,46 +198,52 @@ struct Strided {  // every stride-th key of src
 
 // The sampled threshold: a key T that about topk * (1 + margin) keys of the row reach, from the
 // rank of SAMPLE evenly spaced keys (two rounds); the keys >= T become the candidates, and if they
-// are at least topk and at most CAP, the top-k is selected among them. Otherwise (the sample
-// misjudged the row) false, nothing written, and the full rounds run.
+// are at least topk and at most cap, the top-k is selected among them. Otherwise (the sample
+// misjudged the row) false, nothing written, and the full rounds run. The candidates are written
+// in two passes, a count per thread and then the keys at the thread's offset from a block scan:
+// no atomics, and their order follows the row.
 template <class Src>
-__device__ bool sampled(const Src& src, int n, int topk, int* out, const int* pages, int page_size, int* hist,
-                        unsigned* ckey, int* cpos, Shared& s) {
+__device__ bool sampled(const Src& src, int n, int topk, int cap, int* out, const int* pages, int page_size,
+                        int* hist, unsigned* ckey, int* cpos, Shared& s) {
   const int r = (int)(((long long)topk * SAMPLE + n - 1) / n);
   int need = r + 3 * (int)__fsqrt_rn((float)r) + 16;
   need = need < SAMPLE ? need : SAMPLE;
   int hi = 31 - __clz(s.kmax ^ s.kmin);
   unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;
   const Strided<Src> smp{src, n / SAMPLE};
-  rounds(smp, SAMPLE, pre, pmask, hi, need, false, hist, s, 2);
+  rounds(smp, SAMPLE, pre, pmask, hi, need, false, hist, s, 0, 2);
   const unsigned T = pre;
+  int c = 0;
   for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
-    unsigned k[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; k[u] = i < n ? src.key(i) : 0u; }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int i = i0 + u * THREADS + threadIdx.x;
-      bool p = i < n && k[u] >= T;
-      int c = agg_index(p, &s.ncand);
-      if (p && c < CAP) { ckey[c] = k[u]; cpos[c] = src.pos(i); }
-    }
+    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; c += i < n && src.key(i) >= T; }
   }
+  int off = block_excl_scan(c, s.wsum);
+  if (threadIdx.x == THREADS - 1) s.ncand = off + c;
   __syncthreads();
   const int nc = s.ncand;
-  if (nc < topk || nc > CAP) {
-    __syncthreads();
+  __syncthreads();
+  if (nc < topk || nc > cap) {
     if (threadIdx.x == 0) s.ncand = 0;
     __syncthreads();
     return false;
   }
+  for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int i = i0 + u * THREADS + threadIdx.x;
+      unsigned k = i < n ? src.key(i) : 0u;
+      if (i < n && k >= T) { ckey[off] = k; cpos[off] = src.pos(i); ++off; }
+    }
+  }
+  __syncthreads();
   const unsigned x = s.kmax ^ T;  // every candidate lies in [T, kmax]
   hi = x ? 31 - __clz(x) : -1;
   pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u);
   pre = s.kmax & pmask;
   need = topk;
   const KeySrc cand{ckey, cpos};
-  if (hi >= 0) rounds(cand, nc, pre, pmask, hi, need, false, hist, s);
+  if (hi >= 0) rounds(cand, nc, pre, pmask, hi, need, false, hist, s, 0);
   emit(cand, nc, pre, pmask, false, need, topk, out, pages, page_size, ckey, cpos, s);
   return true;
 }
@@ -238,13 +251,13 @@ __device__ bool sampled(const Src& src, int n, int topk, int* out, const int* pa
 extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
     const float* __restrict__ logits, int row_stride, const int* __restrict__ kv_lens,
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, int page_size, int topk,
-    int* __restrict__ slots, int cache_cap) {
+    int* __restrict__ slots, int cache_cap, int cap, int vec) {
   extern __shared__ int dyn[];
   __shared__ Shared s;
   int* hist = dyn;
   unsigned* ckey = (unsigned*)(dyn + NB);
-  int* cpos = dyn + NB + CAP;
-  unsigned* keys = (unsigned*)(dyn + NB + 2 * CAP);
+  int* cpos = dyn + NB + cap;
+  unsigned* keys = (unsigned*)(dyn + NB + 2 * cap);
   const int b = blockIdx.x, n = kv_lens[b];
   int* out = slots + (long long)b * topk;
   const int* pages = kv_indices + kv_indptr[b];
@@ -256,15 +269,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
   const RowSrc grow{logits + (long long)b * row_stride};
   const bool cached = n <= cache_cap;
   unsigned kmax = 0u, kmin = 0xffffffffu;
-  for (int i0 = 0; i0 < n; i0 += THREADS * UNROLL) {
+  auto keep = [&](int i, unsigned k) {
+    if (cached) keys[i] = k;
+    kmax = k > kmax ? k : kmax;
+    kmin = k < kmin ? k : kmin;
+  };
+  const int n4 = vec ? n / 4 : 0;  // float4 loads where the row is 16-byte aligned: 4x the bytes in flight
+  const float4* row4 = reinterpret_cast<const float4*>(grow.row);
+  for (int j0 = 0; j0 < n4; j0 += THREADS * UNROLL) {
+    float4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int j = j0 + u * THREADS + threadIdx.x;
+      if (j < n4) v[u] = __ldg(row4 + j);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int j = j0 + u * THREADS + threadIdx.x;
+      if (j < n4) { keep(4 * j, ukey(v[u].x)); keep(4 * j + 1, ukey(v[u].y)); keep(4 * j + 2, ukey(v[u].z)); keep(4 * j + 3, ukey(v[u].w)); }
+    }
+  }
+  for (int i0 = 4 * n4; i0 < n; i0 += THREADS * UNROLL) {
     unsigned k[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; k[u] = i < n ? grow.key(i) : 0u; }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int i = i0 + u * THREADS + threadIdx.x;
-      if (i < n) { if (cached) keys[i] = k[u]; kmax = k[u] > kmax ? k[u] : kmax; kmin = k[u] < kmin ? k[u] : kmin; }
-    }
+    for (int u = 0; u < UNROLL; ++u) { int i = i0 + u * THREADS + threadIdx.x; if (i < n) keep(i, k[u]); }
   }
   kmax = __reduce_max_sync(FULL, kmax);
   kmin = __reduce_min_sync(FULL, kmin);
@@ -275,19 +305,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
   int need = topk, hi = x ? 31 - __clz(x) : -1;
   unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;  // hi == -1: every bit fixed
   const KeySrc crow{keys, nullptr};
-  if (SAMPLE && x && n >= 4 * topk && n >= 2 * SAMPLE &&
-      (cached ? sampled(crow, n, topk, out, pages, page_size, hist, ckey, cpos, s)
-              : sampled(grow, n, topk, out, pages, page_size, hist, ckey, cpos, s)))
+  if (SAMPLE && x && n >= 4 * topk && n >= 2 * SAMPLE && cap >= topk &&
+      (cached ? sampled(crow, n, topk, cap, out, pages, page_size, hist, ckey, cpos, s)
+              : sampled(grow, n, topk, cap, out, pages, page_size, hist, ckey, cpos, s)))
     return;
-  bool done = hi < 0 || (cached ? rounds(crow, n, pre, pmask, hi, need, true, hist, s)
-                                : rounds(grow, n, pre, pmask, hi, need, true, hist, s));
+  bool done = hi < 0 || (cached ? rounds(crow, n, pre, pmask, hi, need, true, hist, s, cap)
+                                : rounds(grow, n, pre, pmask, hi, need, true, hist, s, cap));
   if (cached) emit(crow, n, pre, pmask, !done, need, topk, out, pages, page_size, ckey, cpos, s);
   else emit(grow, n, pre, pmask, !done, need, topk, out, pages, page_size, ckey, cpos, s);
   if (done) return;
   __syncthreads();
   const KeySrc cand{ckey, cpos};
   const int nc = s.ncand;
-  rounds(cand, nc, pre, pmask, hi, need, false, hist, s);
+  rounds(cand, nc, pre, pmask, hi, need, false, hist, s, cap);
   emit(cand, nc, pre, pmask, false, need, topk, out, pages, page_size, ckey, cpos, s);
 }
 """
@@ -296,9 +326,9 @@ _KERNELS: dict = {}
 _AVAILABLE: dict = {}  # device index -> whether the default kernel compiled
 
 
-def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4, sample: int = 2048) -> str:
+def source(threads: int = 1024, digit_bits: int = 11, agg: bool = False, unroll: int = 4, sample: int = 4096) -> str:
     """The CUDA C source with its compile-time constants defined (``nvcc -cubin`` takes it too)."""
-    vals = dict(THREADS=threads, DB=digit_bits, AGG=int(agg), CAP=CAP, UNROLL=unroll, SAMPLE=sample)
+    vals = dict(THREADS=threads, DB=digit_bits, AGG=int(agg), UNROLL=unroll, SAMPLE=sample)
     return "".join(f"#define {k} {vals[k]}\n" for k in _DEFINES) + _SRC
 
 
@@ -321,7 +351,7 @@ def available(device) -> bool:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     if device.index not in _AVAILABLE:
         try:
-            _compiled(device, 1024, 11, False, 4, 2048)
+            _compiled(device, 1024, 11, False, 4, 4096)
             _AVAILABLE[device.index] = True
         except Exception:  # noqa: BLE001 - no NVRTC, an older torch: the Triton top-k serves instead
             _AVAILABLE[device.index] = False
@@ -334,9 +364,20 @@ def _smem_limit(device: torch.device) -> int:
 
 
 def max_cache(device: torch.device, digit_bits: int = 11) -> int:
-    """The longest row whose keys the block keeps in shared memory (a multiple of 1024)."""
-    free = _smem_limit(device) - 4 * ((1 << digit_bits) + 2 * CAP) - 1024  # 1 KiB for the static part
+    """The longest row whose keys the block keeps in shared memory (a multiple of 1024), leaving
+    room for MIN_CAP candidates."""
+    free = _smem_limit(device) - 4 * ((1 << digit_bits) + 2 * MIN_CAP) - 1024  # 1 KiB for the static part
     return max(0, free // 4096 * 1024)
+
+
+def layout(device: torch.device, max_len: int, digit_bits: int = 11, cache: bool = True) -> tuple[int, int, int]:
+    """(cache_cap, cap, bytes): rows of at most cache_cap keys are kept in shared memory (all rows
+    or none: a batch whose longest row does not fit reads every row from global memory), cap
+    candidates fit in what is left (at most MAX_CAP), and the block's dynamic shared memory."""
+    cache_cap = max_len if cache and max_len <= max_cache(device, digit_bits) else 0
+    free = _smem_limit(device) - 4 * ((1 << digit_bits) + cache_cap) - 1024
+    cap = min(MAX_CAP, free // 8)
+    return cache_cap, cap, 4 * ((1 << digit_bits) + 2 * cap + cache_cap)
 
 
 def _set_smem(kernel, device: torch.device, nbytes: int) -> None:
@@ -360,7 +401,7 @@ def _check(name, t, dtype, dims):
 
 def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, threads: int = 1024,
               digit_bits: int = 11, agg: bool = False, unroll: int = 4, cache: bool = True,
-              sample: int = 2048) -> torch.Tensor:
+              sample: int = 4096) -> torch.Tensor:
     """Global token slots of each request's ``topk`` largest logits, one CUDA block a request.
 
     Parameters
@@ -410,10 +451,10 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     if B == 0:
         return out
     kernel = _compiled(dev, threads, digit_bits, bool(agg), unroll, sample)
-    cache_cap = min(T, max_cache(dev, digit_bits)) if cache else 0
-    smem = 4 * ((1 << digit_bits) + 2 * CAP + cache_cap)
+    cache_cap, cap, smem = layout(dev, T, digit_bits, cache)
     _set_smem(kernel, dev, smem)
+    vec = int(logits.stride(0) % 4 == 0 and logits.data_ptr() % 16 == 0)
     kv_indices = kv_indices if kv_indices.numel() else kv_indptr  # never read; a valid pointer
     kernel(grid=(B, 1, 1), block=(threads, 1, 1), shared_mem=smem,
-           args=[logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, page_size, topk, out, cache_cap])
+           args=[logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, page_size, topk, out, cache_cap, cap, vec])
     return out

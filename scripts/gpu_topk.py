@@ -82,7 +82,7 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "cuda_db12": dict(impl="cuda", digit_bits=12), "cuda_nocache": dict(impl="cuda", cache=False),
     "cuda_u8": dict(impl="cuda", unroll=8), "cuda_u1": dict(impl="cuda", unroll=1),
     "cuda_s0": dict(impl="cuda", sample=0), "cuda_s1k": dict(impl="cuda", sample=1024),
-    "cuda_s4k": dict(impl="cuda", sample=4096), "cuda_s4k_db12": dict(impl="cuda", sample=4096, digit_bits=12),
+    "cuda_s2k": dict(impl="cuda", sample=2048), "cuda_s4k_db12": dict(impl="cuda", sample=4096, digit_bits=12),
     "cuda_db12_t512": dict(impl="cuda", digit_bits=12, threads=512),
     "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
     "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),

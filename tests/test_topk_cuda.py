@@ -15,7 +15,7 @@ import torch
 from labkit import kvpool
 from labkit.indexer import check_slots, select_tokens
 from labkit.kernels import topk_cuda as mod
-from labkit.kernels.topk_cuda import CAP, topk_cuda
+from labkit.kernels.topk_cuda import MAX_CAP, topk_cuda
 
 from test_topk_select import _assert_gpu, _assert_topk, _rows, _table
 
@@ -77,7 +77,7 @@ def test_source_compiles_for_sm90_without_spills(tmp_path, kw):
 
 # -- on a GPU ----------------------------------------------------------------------------------
 TUNINGS = [dict(), dict(agg=True), dict(threads=256), dict(digit_bits=8), dict(digit_bits=12, unroll=1),
-           dict(cache=False), dict(threads=128, agg=True, unroll=8), dict(sample=0), dict(sample=4096, cache=False)]
+           dict(cache=False), dict(threads=128, agg=True, unroll=8), dict(sample=0), dict(sample=2048, cache=False)]
 
 
 @pytest.mark.gpu
@@ -101,14 +101,14 @@ def test_gpu_every_kind_of_row(kw):
 @pytest.mark.gpu
 @gpu
 def test_gpu_rows_past_shared_memory_and_full_candidate_bins():
-    """Rows longer than max_cache (read from global memory each round), a bin of more than CAP keys
-    tied at the k-th (every bit fixed on the row), a narrow range of many close values, page 1."""
+    """Rows longer than max_cache (read from global memory each round), a bin of more than MAX_CAP
+    keys tied at the k-th (every bit fixed on the row), a narrow range of many close values, page 1."""
     T = mod.max_cache(torch.device("cuda")) + 5000
     topk, page = 2048, 1
     g = torch.Generator().manual_seed(11)
     x = torch.randn(4, T, generator=g)
-    x[1, : 3 * CAP] = 0.5  # 3 CAP ties straddling the k-th
-    x[1, 3 * CAP:] = -x[1, 3 * CAP:].abs()
+    x[1, : MAX_CAP + 1000] = 0.5  # more ties straddling the k-th than candidates fit
+    x[1, MAX_CAP + 1000:] = -x[1, MAX_CAP + 1000:].abs()
     x[1, -1000:] = 1.0
     x[2] = 1.0 + torch.randint(0, 4000, (T,), generator=g) * 2.0 ** -23  # 4000 neighbouring floats
     x[3, ::7] = math.inf
