@@ -210,7 +210,7 @@ __device__ bool sampled(const Src& src, int n, int topk, int cap, int* out, cons
   need = need < SAMPLE ? need : SAMPLE;
   int hi = 31 - __clz(s.kmax ^ s.kmin);
   unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;
-  const Strided<Src> smp{src, n / SAMPLE};
+  const Strided<Src> smp{src, n / (SAMPLE ? SAMPLE : 1)};
   rounds(smp, SAMPLE, pre, pmask, hi, need, false, hist, s, 0, 2);
   const unsigned T = pre;
   int c = 0;
