@@ -282,14 +282,22 @@ def logits_and_slots(q_idx, weights, cache: IndexCache, layer: int, batch: Decod
 TOPK_IMPLS = ("torch", "triton", "cuda")
 
 
-def default_topk_impl(device) -> str:
-    """The top-k when none is named: on CUDA the Triton kernel, faster than the "torch" path
-    (``torch.topk``, then positions to token slots) at every shape ``scripts/gpu_topk.py`` measures,
-    1-128 requests of 8K-128K: 64 x 32K 47.7 us against 110.2, one request of 32K 14.7 against 75.1,
-    64 x 128K 161.3 against 196.5 (H200, run 21a; on an H100 in run 22a 156.8 against 206.8). Bare
-    ``torch.topk`` (151.0 at 64 x 128K) is faster than the kernel there, but its positions still
-    have to become slots. On a CPU ``torch.topk``: the kernel would run in Triton's (slow) interpreter."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+def default_topk_impl(device, batch_size: int | None = None, max_len: int | None = None) -> str:
+    """The top-k when none is named. On a CPU ``torch.topk`` (a kernel would run in Triton's slow
+    interpreter). On CUDA the CUDA C kernel (labkit.kernels.topk_cuda, one block a request) where
+    it measured faster than the Triton radix select, which splits a row over many programs: from 64
+    requests at any length, and from 8 requests of at most 32K (H100, run 25c, us: 64 x 32K 17.2
+    against 47.2, 64 x 128K 79.5 against 156.6, 128 x 32K 20.6 against 80.2, 32 x 32K 16.9 against
+    30.9, 8 x 32K 16.8 against 17.9); below that the Triton kernel (one request of 32K 15.2 against
+    15.9, of 128K 18.6 against 70.9), and wherever NVRTC cannot compile the CUDA kernel. Both beat
+    the "torch" path (``torch.topk``, then positions to token slots) at every shape measured."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    from .kernels.topk_cuda import available
+
+    many = batch_size is not None and (batch_size >= 64 or (batch_size >= 8 and max_len is not None
+                                                             and max_len <= 32768))
+    return "cuda" if many and available(device) else "triton"
 
 
 def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, check: bool = True,
@@ -302,7 +310,8 @@ def select_tokens(logits: torch.Tensor, batch: DecodeBatch, index_topk: int, che
     (``default_topk_impl``). Ties at the k-th logit may pick different tokens in each."""
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
         raise ValueError(f"index_topk={index_topk!r}: must be a positive integer")
-    topk_impl = default_topk_impl(logits.device) if topk_impl is None else topk_impl
+    if topk_impl is None:
+        topk_impl = default_topk_impl(logits.device, batch.batch_size, batch.max_len)
     if topk_impl == "candidates":
         raise ValueError("topk_impl='candidates' needs the logits kernel, not finished logits: use "
                          "Indexer.topk(layer, 'triton', topk_impl='candidates') or logits_and_slots")

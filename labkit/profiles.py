@@ -36,8 +36,8 @@ DEFAULTS = dict(
     # DSA sparse decode (05): None = the model's index_topk / index_n_heads
     index_topk=None, index_n_heads=None,
     kv_layout=None,  # labkit.kvlayout name: None = kv_dtype's own (fp8_per_tensor, bf16); or fp8_ds_mla
-    topk_impl=None,  # the DSA step's top-k (STEP_TOPK_IMPLS): None = by device (Triton on a GPU, torch on a
-    # CPU); "candidates" (GPU)
+    topk_impl=None,  # the DSA step's top-k (STEP_TOPK_IMPLS): None = by device and shape (indexer.default_topk_impl:
+    # CUDA C or Triton on a GPU, torch on a CPU); "cuda", "triton", "candidates" (GPU)
     sparse_contexts=[128, 512],  # tokens per request, at sparse_batch requests (one shorter than tiny's top-256)
     sparse_batch=2,
     # where records and figures go (set by labkit run; None: data/runs/interactive)

@@ -411,8 +411,9 @@ def test_gpu_glm5_logits_and_topk(page_size, block_t):
         if page_size % 64 == 0 and block_t in (64, 128) else []
     for logits in [got, ix.logits(0, "torch")] + extra:
         _check_logits(logits.cpu(), ref, bound)
-        slots = select_tokens(logits, b, cfg.index_topk)
-        _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
+        for topk_impl in (None, "cuda"):  # the default (Triton at 6 requests) and the CUDA C top-k
+            slots = select_tokens(logits, b, cfg.index_topk, topk_impl=topk_impl)
+            _assert_topk_equiv(slots.cpu(), ref, b.to("cpu"), cfg.index_topk, 2 * bound.amax(1))
     for sample in (256, 1024):  # the top-k's candidates from the logits kernel, eager and from a graph
         table = sample_table(b, sample)
         args = (ix.q_idx[0], ix.weights[0], ix.cache, 0, b, cfg.index_topk, table)

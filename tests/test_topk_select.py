@@ -208,7 +208,21 @@ def test_select_tokens_triton_equals_torch(page_size):
         assert set(got[b].tolist()) == set(want[b].tolist())  # random logits: no ties
     assert torch.equal(ix.topk(0, "torch", topk_impl="triton"), got)
     assert default_topk_impl("cpu") == "torch"
-    assert default_topk_impl("cuda") == "triton"
+    assert default_topk_impl("cpu", 64, 32768) == "torch"
+
+
+@pytest.mark.parametrize("batch_size,max_len,want", [(1, 32768, "triton"), (7, 8192, "triton"), (8, 32768, "cuda"),
+                                                     (8, 32769, "triton"), (63, 131072, "triton"), (64, 131072, "cuda"),
+                                                     (128, 8192, "cuda"), (None, None, "triton")])
+def test_default_topk_on_cuda_by_shape(batch_size, max_len, want, monkeypatch):
+    """On CUDA the CUDA C top-k from 64 requests, or from 8 of at most 32K, where it compiles;
+    the Triton kernel otherwise (no device needed: whether it compiles is stubbed)."""
+    from labkit.kernels import topk_cuda
+
+    monkeypatch.setattr(topk_cuda, "available", lambda device: True)
+    assert default_topk_impl("cuda", batch_size, max_len) == want
+    monkeypatch.setattr(topk_cuda, "available", lambda device: False)
+    assert default_topk_impl("cuda", batch_size, max_len) == "triton"
 
 
 def test_keys_follow_float_order():
