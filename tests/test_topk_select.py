@@ -274,8 +274,8 @@ def test_bad_arguments():
     lens, indptr, indices = torch.tensor([8, 8], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), \
         torch.tensor([0, 1], dtype=torch.int32)
     batch = kvpool.DecodeBatch(indptr, indices, lens.clone(), lens, 8)
-    with pytest.raises(ValueError, match=r"topk_impl='cuda'; allowed: \['torch', 'triton'\] or None"):
-        select_tokens(x, batch, 4, topk_impl="cuda")
+    with pytest.raises(ValueError, match=r"topk_impl='heap'; allowed: \['torch', 'triton', 'cuda'\] or None"):
+        select_tokens(x, batch, 4, topk_impl="heap")
     with pytest.raises(ValueError, match=r"topk_impl='candidates' needs the logits kernel"):
         select_tokens(x, batch, 4, topk_impl="candidates")
     with pytest.raises(ValueError, match=r"logits has shape \(2, 7\); the batch needs \(2, >= 8\)"):
