@@ -285,17 +285,18 @@ TOPK_IMPLS = ("torch", "triton", "cuda")
 def default_topk_impl(device, batch_size: int | None = None, max_len: int | None = None) -> str:
     """The top-k when none is named. On a CPU ``torch.topk`` (a kernel would run in Triton's slow
     interpreter). On CUDA the CUDA C kernel (labkit.kernels.topk_cuda, one block a request) where
-    it measured faster than the Triton radix select, which splits a row over many programs: from 64
-    requests at any length, and from 8 requests of at most 32K (H100, run 25c, us: 64 x 32K 17.2
-    against 47.2, 64 x 128K 79.5 against 156.6, 128 x 32K 20.6 against 80.2, 32 x 32K 16.9 against
-    30.9, 8 x 32K 16.8 against 17.9); below that the Triton kernel (one request of 32K 15.2 against
-    15.9, of 128K 18.6 against 70.9), and wherever NVRTC cannot compile the CUDA kernel. Both beat
-    the "torch" path (``torch.topk``, then positions to token slots) at every shape measured."""
+    it measured faster than the Triton radix select, which splits a row over many programs: from 32
+    requests at any length, and from 8 requests of at most 32K (H100, runs 25c-d, us: 64 x 32K 17.2
+    against 47.2, 64 x 128K 79.5 against 156.6, 32 x 128K 75.3 against 84.5, 128 x 32K 20.6 against
+    80.2, 16 x 32K 16.7 against 22.2, 8 x 32K 16.8 against 17.9); below that the Triton kernel (16 x
+    128K 48.4 against 72.0, one request of 32K 15.2 against 15.9, of 128K 18.6 against 70.9), and
+    wherever NVRTC cannot compile the CUDA kernel. Both beat the "torch" path (``torch.topk``, then
+    positions to token slots) at every shape measured."""
     if torch.device(device).type != "cuda":
         return "torch"
     from .kernels.topk_cuda import available
 
-    many = batch_size is not None and (batch_size >= 64 or (batch_size >= 8 and max_len is not None
+    many = batch_size is not None and (batch_size >= 32 or (batch_size >= 8 and max_len is not None
                                                              and max_len <= 32768))
     return "cuda" if many and available(device) else "triton"
 
