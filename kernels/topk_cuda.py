@@ -455,6 +455,7 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     _set_smem(kernel, dev, smem)
     vec = int(logits.stride(0) % 4 == 0 and logits.data_ptr() % 16 == 0)
     kv_indices = kv_indices if kv_indices.numel() else kv_indptr  # never read; a valid pointer
-    kernel(grid=(B, 1, 1), block=(threads, 1, 1), shared_mem=smem,
-           args=[logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, page_size, topk, out, cache_cap, cap, vec])
+    with torch.cuda.device(dev):  # the module was loaded in this device's context; its current stream
+        kernel(grid=(B, 1, 1), block=(threads, 1, 1), shared_mem=smem,
+               args=[logits, logits.stride(0), kv_lens, kv_indptr, kv_indices, page_size, topk, out, cache_cap, cap, vec])
     return out
