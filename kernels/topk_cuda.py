@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from .topk_select import check_args
+
 MIN_CAP, MAX_CAP = 4096, 16384  # candidates kept in shared memory (key + position): the least, the most
 _DEFINES = ("THREADS", "DB", "AGG", "UNROLL", "SAMPLE")
 
@@ -392,13 +394,6 @@ def _set_smem(kernel, device: torch.device, nbytes: int) -> None:
     kernel._max_shared_mem_bytes = nbytes
 
 
-def _check(name, t, dtype, dims):
-    if not isinstance(t, torch.Tensor) or t.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
-
-
 def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int, *, threads: int = 1024,
               digit_bits: int = 11, agg: bool = False, unroll: int = 4, cache: bool = True,
               sample: int = 4096) -> torch.Tensor:
@@ -420,19 +415,7 @@ def topk_cuda(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: int,
     -------
     slots : [B, topk] torch.int32, as ``labkit.kernels.topk_select``.
     """
-    _check("logits", logits, torch.float32, 2)
-    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-        _check(name, t, torch.int32, 1)
-    B, T = logits.shape
-    if kv_lens.numel() != B:
-        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
-    if kv_indptr.numel() != B + 1:
-        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
-    if T > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    for name, v in (("topk", topk), ("page_size", page_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    B, T = check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk)
     if threads not in (128, 256, 512, 1024):
         raise ValueError(f"threads={threads!r}: must be 128, 256, 512 or 1024")
     if digit_bits not in (8, 9, 10, 11, 12):

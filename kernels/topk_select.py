@@ -305,6 +305,25 @@ def _check(name, t, dtype, dims):
         raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
 
 
+def check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk) -> tuple[int, int]:
+    """The checks every top-k kernel shares (this one and ``topk_cuda``): dtypes, shapes, the
+    logits' row layout, positive integers; (B, max_len)."""
+    _check("logits", logits, torch.float32, 2)
+    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        _check(name, t, torch.int32, 1)
+    B, T = logits.shape
+    if kv_lens.numel() != B:
+        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
+    if kv_indptr.numel() != B + 1:
+        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
+    if T > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
+    for name, v in (("topk", topk), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    return B, T
+
+
 def _pow2(name, v, low):
     if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1) or v >= 1 << 16:
         raise ValueError(f"{name}={v!r}: must be a power of two in {low}..32768")
@@ -375,19 +394,7 @@ def topk_select(logits, kv_lens, kv_indptr, kv_indices, page_size: int, topk: in
     Scratch: 8 * B * max_len bytes (candidate keys and slots); with splits > 1, B * splits *
     16 / digit_bits histograms of 2^digit_bits int32 and the device's barrier counts (``_barriers``).
     """
-    _check("logits", logits, torch.float32, 2)
-    for name, t in (("kv_lens", kv_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-        _check(name, t, torch.int32, 1)
-    B, T = logits.shape
-    if kv_lens.numel() != B:
-        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; logits has B = {B} rows")
-    if kv_indptr.numel() != B + 1:
-        raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; expected B + 1 = {B + 1}")
-    if T > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    for name, v in (("topk", topk), ("page_size", page_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    B, T = check_args(logits, kv_lens, kv_indptr, kv_indices, page_size, topk)
     _pow2("block", block, 16)
     _pow2("cand_block", cand_block, 16)
     if digit_bits not in (2, 4, 8):
