@@ -55,6 +55,14 @@ _SRC = r"""
 
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
+// the bits above bit hi (hi = -1: all of them), which a prefix of the keys fixes
+__device__ __forceinline__ unsigned mask_above(int hi) { return hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u); }
+
+// position p of a request -> its global token slot, through the request's page ids
+__device__ __forceinline__ int slot_of(const int* pages, int page_size, int p) {
+  return pages[p / page_size] * page_size + p % page_size;
+}
+
 // float32 -> uint32 whose unsigned order is the float order; NaN counts as -inf, -0.0 as +0.0
 __device__ __forceinline__ unsigned ukey(float x) {
   if (!(x == x)) x = __int_as_float(0xff800000);
@@ -163,10 +171,10 @@ __device__ void emit(const Src& src, int n, unsigned pre, unsigned pmask, bool c
     unsigned k = i < n ? src.key(i) : 0u, m = k & pmask;
     bool gt = i < n && m > pre, eq = i < n && m == pre;
     int a = agg_index(gt, &s.above);
-    if (gt) { int p = src.pos(i); out[a] = pages[p / page_size] * page_size + p % page_size; }
+    if (gt) out[a] = slot_of(pages, page_size, src.pos(i));
     int e = agg_index(eq, cand ? &s.ncand : &s.ties);
     if (eq && cand) { ckey[e] = k; cpos[e] = src.pos(i); }
-    if (eq && !cand && e < need) { int p = src.pos(i); out[topk - need + e] = pages[p / page_size] * page_size + p % page_size; }
+    if (eq && !cand && e < need) out[topk - need + e] = slot_of(pages, page_size, src.pos(i));
   }
 }
 
@@ -211,7 +219,7 @@ __device__ bool sampled(const Src& src, int n, int topk, int cap, int* out, cons
   int need = r + 3 * (int)__fsqrt_rn((float)r) + 16;
   need = need < SAMPLE ? need : SAMPLE;
   int hi = 31 - __clz(s.kmax ^ s.kmin);
-  unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;
+  unsigned pmask = mask_above(hi), pre = s.kmax & pmask;
   const Strided<Src> smp{src, n / (SAMPLE ? SAMPLE : 1)};
   rounds(smp, SAMPLE, pre, pmask, hi, need, false, hist, s, 0, 2);
   const unsigned T = pre;
@@ -241,7 +249,7 @@ __device__ bool sampled(const Src& src, int n, int topk, int cap, int* out, cons
   __syncthreads();
   const unsigned x = s.kmax ^ T;  // every candidate lies in [T, kmax]
   hi = x ? 31 - __clz(x) : -1;
-  pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u);
+  pmask = mask_above(hi);
   pre = s.kmax & pmask;
   need = topk;
   const KeySrc cand{ckey, cpos};
@@ -264,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
   int* out = slots + (long long)b * topk;
   const int* pages = kv_indices + kv_indptr[b];
   if (n <= topk) {
-    for (int i = threadIdx.x; i < topk; i += THREADS) out[i] = i < n ? pages[i / page_size] * page_size + i % page_size : -1;
+    for (int i = threadIdx.x; i < topk; i += THREADS) out[i] = i < n ? slot_of(pages, page_size, i) : -1;
     return;
   }
   if (threadIdx.x == 0) { s.above = 0; s.ties = 0; s.ncand = 0; s.kmax = 0u; s.kmin = 0xffffffffu; }
@@ -305,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_radix_cuda(
   __syncthreads();
   const unsigned x = s.kmax ^ s.kmin;
   int need = topk, hi = x ? 31 - __clz(x) : -1;
-  unsigned pmask = hi >= 31 ? 0u : ~((1u << (hi + 1)) - 1u), pre = s.kmax & pmask;  // hi == -1: every bit fixed
+  unsigned pmask = mask_above(hi), pre = s.kmax & pmask;  // hi == -1: every bit fixed
   const KeySrc crow{keys, nullptr};
   if (SAMPLE && x && n >= 4 * topk && n >= 2 * SAMPLE && cap >= topk &&
       (cached ? sampled(crow, n, topk, cap, out, pages, page_size, hist, ckey, cpos, s)
@@ -353,7 +361,8 @@ def available(device) -> bool:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     if device.index not in _AVAILABLE:
         try:
-            _compiled(device, 1024, 11, False, 4, 4096)
+            k = topk_cuda.__kwdefaults__  # the launcher's defaults, not a second copy of them
+            _compiled(device, k["threads"], k["digit_bits"], k["agg"], k["unroll"], k["sample"])
             _AVAILABLE[device.index] = True
         except Exception:  # noqa: BLE001 - no NVRTC, an older torch: the Triton top-k serves instead
             _AVAILABLE[device.index] = False
@@ -383,14 +392,15 @@ def layout(device: torch.device, max_len: int, digit_bits: int = 11, cache: bool
 
 
 def _set_smem(kernel, device: torch.device, nbytes: int) -> None:
-    """Allow ``nbytes`` of dynamic shared memory (the driver's attribute, set once per size)."""
-    if nbytes <= getattr(kernel, "_max_shared_mem_bytes", 0) or nbytes < 48 * 1024:
-        kernel._max_shared_mem_bytes = max(nbytes, getattr(kernel, "_max_shared_mem_bytes", 0))
+    """Allow ``nbytes`` of dynamic shared memory: past 48 KiB the driver's attribute must say so
+    (set when the size grows); the launch wrapper checks ``_max_shared_mem_bytes``."""
+    if nbytes <= getattr(kernel, "_max_shared_mem_bytes", 0):
         return
-    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+    if nbytes >= 48 * 1024:
+        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
-    with torch.cuda.device(device):
-        _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, nbytes))  # MAX_DYNAMIC_SHARED_SIZE
+        with torch.cuda.device(device):
+            _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, nbytes))  # MAX_DYNAMIC_SHARED_SIZE
     kernel._max_shared_mem_bytes = nbytes
 
 

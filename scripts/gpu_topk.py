@@ -76,6 +76,8 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "lg_tma_t4": dict(logits=dict(tma=True, tiles=4)), "lg_tma_t16_s3": dict(logits=dict(tma=True, tiles=16, num_stages=3)),
     "lg_t4": dict(logits=dict(tiles=4)), "lg_t16_s3": dict(logits=dict(tiles=16, num_stages=3)),
     # 128-position tiles (run 21 on the H200: 75.9 against 79.8 us at 64 x 32K): their tile count, wider ones
+    "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
+    "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),
     # the top-k in CUDA C (labkit.kernels.topk_cuda): one block a request, keys in shared memory
     "cuda": dict(impl="cuda"), "cuda_agg": dict(impl="cuda", agg=True), "cuda_t512": dict(impl="cuda", threads=512),
     "cuda_t256": dict(impl="cuda", threads=256), "cuda_db8": dict(impl="cuda", digit_bits=8),
@@ -84,8 +86,6 @@ TUNINGS = {  # --sweep: launcher keywords of topk_select, by name (splits past t
     "cuda_s0": dict(impl="cuda", sample=0), "cuda_s1k": dict(impl="cuda", sample=1024),
     "cuda_s2k": dict(impl="cuda", sample=2048), "cuda_s4k_db12": dict(impl="cuda", sample=4096, digit_bits=12),
     "cuda_db12_t512": dict(impl="cuda", digit_bits=12, threads=512),
-    "lg_bt128_t4": dict(logits=dict(block_t=128, tiles=4)), "lg_bt128_t2": dict(logits=dict(block_t=128, tiles=2)),
-    "lg_bt256": dict(logits=dict(block_t=256)), "lg_t16": dict(logits=dict(tiles=16)),
 }
 
 
