@@ -56,7 +56,6 @@ class SplitKV:
     merge_grid: tuple
     merge_meta: dict
     _merge: "Launcher | None" = None
-    fused: bool = False  # stage 1 merges (``stage1(part_o, part_lse, False, out, lse)``): no merge launch
 
     @classmethod
     def make(cls, batch: int, heads: int, num_splits: int, out_dtype: torch.dtype, device,
@@ -86,9 +85,6 @@ class SplitKV:
             return out
         if self.direct:
             stage1(out, self.lse, True)
-            return out
-        if self.fused:  # stage 1's last split of each request merges into out and lse
-            stage1(self.part_o, self.part_lse, False, out, self.lse)
             return out
         stage1(self.part_o, self.part_lse, False)
         self.merge(self.part_o, self.part_lse, out, self.lse, self.heads, out.stride(0), out.stride(1),

@@ -40,9 +40,6 @@ so that V never goes through shared memory a second time:
   the softmax in the plain chain gained nothing at 16 heads and spilled at 64: run 13b.)
 * precision="accurate" (``SPLIT``): q and p each as two e4m3 terms (16 hi + 16 (x - hi)) summed in
   the same accumulators; twice the MMAs, V unchanged.
-* Fused merge (``fused_merge``, ``FUSE``): after its partial stores each split arrives on a count of
-  its (request, head block); the last to arrive merges the partials, still in L2, as ``mla_merge``
-  would, and rearms the count. One launch instead of two where the splits are few.
 * A split's partial last tile is fetched through descriptors whose rows end at the request's end:
   TMA fills the box past it with zeros (stale bytes, even NaN, never reach shared memory) and the
   scores there are masked to -inf; the loop over whole tiles runs unmasked.
@@ -64,7 +61,7 @@ import functools
 import torch
 import triton
 
-from .mla_decode import D_CKV, LOG2E, check_decode_args, decode_buffers, resolve_splits
+from .mla_decode import LOG2E, check_decode_args, decode_buffers, resolve_splits
 from .mla_decode_fp8_rows import (DS_ROPE_AT_BF16, DS_ROW, DS_ROW_BF16, DS_ROW_F32, DS_SCALE_AT_F32, LAYOUT_ROW,
                                    rows_views)
 from .mla_merge import mla_merge
@@ -570,35 +567,6 @@ if HAS_GLUON:
         l_i = l_i * alpha[None, :] + gl.exp2(s - m_use[None, :])
         return m_new, l_i, _pv(p, alpha, v, acc, p_smem, NUM_WARPS, SPLIT)
 
-    @gluon.jit
-    def _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, b, h_o, col, H, num_splits, out_scale,
-                      layout: gl.constexpr):
-        """``mla_merge`` for one head block of request b, run by its last split: the partials
-        [512, BLOCK_H] of each split (L2-resident: just written; .cg skips this SM's L1) summed by
-        their log2-sum-exp with a running max; writes the output and the natural-log lse."""
-        hm = h_o < H
-        m = gl.full(h_o.shape, -float("inf"), gl.float32, layout=gl.SliceLayout(0, layout))
-        tot = gl.zeros(h_o.shape, gl.float32, layout=gl.SliceLayout(0, layout))
-        acc = gl.zeros([512, h_o.shape[0]], gl.float32, layout=layout)
-        for s in range(num_splits):
-            row = (b * H + h_o) * num_splits + s
-            lse2 = gl.load(lse_ptr + row, mask=hm, other=-float("inf"), cache_modifier=".cg")
-            m_new = gl.maximum(m, lse2)
-            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_use)
-            w = gl.exp2(lse2 - m_use)  # 0 for an empty split, whose partial is never read
-            o = gl.load(o_ptr + row[None, :] * 512 + col[:, None], mask=(hm & (w > 0))[None, :], other=0.0,
-                        cache_modifier=".cg").to(gl.float32)
-            acc = acc * alpha[None, :] + o * w[None, :]
-            tot = tot * alpha + w
-            m = m_new
-        inv = gl.where(tot > 0, out_scale / gl.maximum(tot, 1e-30), 0.0)
-        gl.store(fo_ptr + (b * H + h_o)[None, :] * 512 + col[:, None], (acc * inv[None, :]).to(fo_ptr.dtype.element_ty),
-                 mask=hm[None, :])
-        m_fin = gl.where(m == -float("inf"), 0.0, m)
-        lse = gl.where(tot > 0, (m_fin + gl.log2(gl.maximum(tot, 1e-30))) * 0.6931471805599453, -float("inf"))
-        gl.store(flse_ptr + b * H + h_o, lse, mask=hm)
-
     @gluon.jit(do_not_specialize=["H", "num_splits"])
     def _mla_decode_fp8_gluon_kernel(
         q_nope_ptr,  # *[B, H, 512] bf16/fp16, last dim contiguous
@@ -620,9 +588,6 @@ if HAS_GLUON:
         num_splits,  # S
         stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
         stride_o_b, stride_o_h,
-        fo_ptr,  # FUSE: *out dtype [B, H, 512] contiguous, the merged output; else unused
-        flse_ptr,  # FUSE: *f32 [B, H] its natural-log lse; else unused
-        cnt_ptr,  # FUSE: *i32 [B * head blocks] arrivals, zero before the launch and left zero after it
         PAGE: gl.constexpr,  # page_size, a multiple of 64
         BLOCK_H: gl.constexpr,  # heads per CTA: 16 or 32 (the MMAs' N), 64 with 8 warps
         DIRECT: gl.constexpr,  # one split: write the final output and natural-log lse
@@ -632,7 +597,6 @@ if HAS_GLUON:
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
         PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
-        FUSE: gl.constexpr = False,  # the request's last split to finish merges the partials (no mla_merge)
     ):
         hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
         b = gl.program_id(1)
@@ -800,14 +764,6 @@ if HAS_GLUON:
             gl.store(o_ptr + row_o[None, :] * 512 + col[:, None], (out * inv[None, :]).to(o_ptr.dtype.element_ty), mask=hmask_o)
             lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), -float("inf"))
             gl.store(lse_ptr + row_o, lse2, mask=h_o < H)
-            if FUSE:
-                # every thread's stores, then one release-acquire arrival (CUTLASS's semaphore pattern); the
-                # CTA that arrives last has seen every split's stores and merges them, then rearms the count
-                _cta_barrier()
-                cnt = cnt_ptr + b * gl.num_programs(0) + hblk
-                if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, b, h_o, col, H, num_splits, out_scale, o_layout)
-                    gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -948,44 +904,6 @@ def part_dtype_for(precision: str, part_dtype: torch.dtype | None = None) -> tor
     return part_dtype
 
 
-# The fused merge (``fused_merge``): each split arrives on a per-(request, head block) count after its
-# partial stores, and the last one merges the request's partials (from L2, just written) in place of
-# the second launch (``mla_merge``). One CTA reads all of its head block's partials, so only where the
-# splits are few: a request of 128 one-tile splits would put 8 MB of partials through one SM.
-FUSED_MERGE = False
-FUSED_MERGE_MAX_SPLITS = 8
-_COUNT_REGIONS = 16  # consecutive launches take consecutive regions: launches on two streams at once share
-# counts only if 16 launches (or plans) apart
-_counts: dict = {}
-
-
-def use_fused_merge(num_splits: int, fused_merge: bool | None = None) -> bool:
-    """Whether a launch of ``num_splits`` splits merges in its last split: ``fused_merge``, else
-    ``FUSED_MERGE`` up to ``FUSED_MERGE_MAX_SPLITS`` splits. One split writes its output directly."""
-    if num_splits == 1:
-        return False
-    if fused_merge is None:
-        return FUSED_MERGE and num_splits <= FUSED_MERGE_MAX_SPLITS
-    return bool(fused_merge)
-
-
-def merge_counts(device: torch.device, n: int) -> torch.Tensor:
-    """[n] int32 zeros for one fused-merge launch: a region of a per-device buffer that the kernel
-    leaves zero again. Buffers are never freed (a captured CUDA graph may replay into any of them);
-    one made during a capture is that capture's own (its zeros exist only when the graph replays)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    state = _counts.get(key)
-    if state is None or state["size"] < n:
-        size = max(1024, triton.next_power_of_2(n))
-        buf = torch.zeros(_COUNT_REGIONS * size, dtype=torch.int32, device=device)
-        if torch.cuda.is_current_stream_capturing():
-            return buf[:n]
-        state = _counts[key] = dict(size=size, buf=buf, next=0, older=state)
-    r = state["next"]
-    state["next"] = (r + 1) % _COUNT_REGIONS
-    return state["buf"][r * state["size"]:r * state["size"] + n]
-
-
 KV_LAYOUTS = tuple(LAYOUT_ROW)  # fp8_ds_mla rows: e4m3 NoPE at 0, fp32 scales at byte 512, bf16 RoPE at 528
 
 
@@ -1031,8 +949,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
                          pipeline: bool | None = None, block_h: int | None = None,
-                         part_dtype: torch.dtype | None = None, num_warps: int | None = None,
-                         fused_merge: bool | None = None):
+                         part_dtype: torch.dtype | None = None, num_warps: int | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -1064,8 +981,6 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
         (``labkit.mma_model``): past 4096 tokens a split breaks the 3e-3 rule (H200, 128 heads 8K).
-    fused_merge : the last split of each request merges the partials (one launch, no ``mla_merge``);
-        None: ``use_fused_merge`` (``FUSED_MERGE`` up to ``FUSED_MERGE_MAX_SPLITS`` splits).
 
     Returns
     -------
@@ -1107,24 +1022,15 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     direct, o_buf, lse_buf = decode_buffers(B, H, num_splits, q_nope.dtype, dev, part_dtype_for(precision, part_dtype))
     if B == 0:
         return (o_buf, lse_buf) if return_lse else o_buf
-    fuse = not direct and use_fused_merge(num_splits, fused_merge)
-    if fuse:
-        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)
-        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-        counts = merge_counts(dev, B * head_blocks)
-    else:  # unused pointers
-        out, lse, counts = o_buf, lse_buf, kv_lens
     triton.set_allocator(_scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
     _mla_decode_fp8_gluon_kernel[(head_blocks, B, num_splits)](
         q_nope, q_pe, kv, kv16, kv32, kv_buffer.shape[0] * page_size, kv_indptr, kv_indices, kv_lens,
         token_indices if sparse else kv_lens, topk, o_buf, lse_buf,
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-        out, lse, counts,
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, FUSE=fuse,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe,
         num_warps=num_warps,
     )
-    if not fuse:
-        out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
+    out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))
     return (out, lse) if return_lse else out

@@ -203,23 +203,20 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
     if W.preferred(num_heads, pool.kv_layout, sparse, precision,
                    W.split_len(batch.batch_size, num_heads, batch.topk if sparse else batch.max_len, pool.device)):
         return _gluon_ws(pool, b, num_heads, sm_scale, split, head_blocks)
-    split.fused = not split.direct and G.use_fused_merge(s)
-    counts = G.merge_counts(pool.device, b.batch_size * head_blocks) if split.fused else b.kv_lens
     kernel = Launcher(G._mla_decode_fp8_gluon_kernel, (head_blocks, b.batch_size, s), PAGE=pool.page_size,
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
-                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), FUSE=split.fused, num_warps=num_warps)
+                      PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision), num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         (kv, kv32, kv16), k_scale = views[layer], scales[layer]
         tok = b_layer.token_indices if sparse else b.kv_lens  # this layer's [B, topk] slots
 
-        def stage1(o_buf, lse_buf, direct, out=None, lse=None):  # out, lse: the fused merge's (split.fused)
+        def stage1(o_buf, lse_buf, direct):
             triton.set_allocator(G._scratch)  # the kernel's TMA descriptors live in Triton-allocated scratch
             kernel(q_nope, q_pe, kv, kv16, kv32, num_rows, b.kv_indptr, b.kv_indices, b.kv_lens, tok, b.topk,
                    o_buf, lse_buf, float(sm_scale) * k_scale * LOG2E, k_scale, num_heads, s, q_nope.stride(0),
-                   q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
-                   o_buf if out is None else out, lse_buf if lse is None else lse, counts)
+                   q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1))
 
         return split.run(stage1, k_scale)
     return run

@@ -27,16 +27,16 @@ from triton.experimental import gluon  # noqa: E402
 from labkit.kernels import mla_decode_fp8_gluon as G  # noqa: E402
 from labkit.kernels import mla_decode_fp8_ws as W  # noqa: E402
 
-PTRS = dict(fo_ptr="*bf16", flse_ptr="*fp32", cnt_ptr="*i32", q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", rope_ptr="*bf16", scale_ptr="*fp32", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
+PTRS = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv", rope_ptr="*bf16", scale_ptr="*fp32", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
             kv_lens_ptr="*i32", tok_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
 
 
 def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False, split: bool = False,
-                 ds: bool = False, pipe: bool = False, ws: bool = False, warps: int | None = None, fuse: bool = False):
+                 ds: bool = False, pipe: bool = False, ws: bool = False, warps: int | None = None):
     fn = W._mla_decode_fp8_ws_kernel if ws else G._mla_decode_fp8_gluon_kernel
     num_warps = 4 if ws else G.block_config(block_h, block_h, warps, "accurate" if split else "fast", sparse, ds)[1]
     consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
-                  DS=int(ds), PIPE=int(pipe), ROWS_LAG=W.ROWS_LAG, FUSE=int(fuse))
+                  DS=int(ds), PIPE=int(pipe), ROWS_LAG=W.ROWS_LAG)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -75,11 +75,10 @@ def main():
     ap.add_argument("--pipe", action="store_true", help="the pipelined tile loop (pipeline=True)")
     ap.add_argument("--ws", action="store_true", help="the warp-specialized 64-head kernel (mla_decode_fp8_ws)")
     ap.add_argument("--warps", type=int, choices=(4, 8), help="num_warps (4 or 8 at 16-32 heads; default: the launcher's, G.default_warps)")
-    ap.add_argument("--fuse", action="store_true", help="the fused merge (fused_merge=True): the last split merges")
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
     st, sass = stats(compile_sm90(a.block_h, a.stages, sparse=a.sparse, split=a.accurate, pipe=a.pipe, ds=a.ds, ws=a.ws,
-                                     warps=a.warps, fuse=a.fuse))
+                                     warps=a.warps))
     if a.sass:
         Path(a.sass).write_text(sass)
     print(json.dumps(st))

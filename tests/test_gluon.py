@@ -294,30 +294,6 @@ def test_compiles_for_sm90_with_16_byte_loads_of_v(tmp_path):
     assert st["shared"] >= G.GPU_CONFIG["num_stages"] * 64 * 576  # the tile ring
 
 
-def test_fused_merge_rule():
-    """One split writes its output (nothing to merge); asked for, the fused merge is taken at any split
-    count; by default only where it is on and the splits are few enough for one CTA to merge them."""
-    assert not G.use_fused_merge(1, True) and G.use_fused_merge(200, True) and not G.use_fused_merge(4, False)
-    for on in (False, True):
-        G.FUSED_MERGE, old = on, G.FUSED_MERGE
-        try:
-            assert G.use_fused_merge(G.FUSED_MERGE_MAX_SPLITS) == on
-            assert not G.use_fused_merge(G.FUSED_MERGE_MAX_SPLITS + 1) and not G.use_fused_merge(1)
-        finally:
-            G.FUSED_MERGE = old
-
-
-@pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
-def test_fused_merge_compiles_to_one_gpu_scope_arrival(tmp_path):
-    """The fused merge adds one gpu-scope atomic add (the arrival, with its fence) and keeps the
-    16-head kernel free of spills; without it the kernel has no atomic add at all."""
-    plain, _ = _sass_sm90(tmp_path, "--warps", "4")
-    fused, sass = _sass_sm90(tmp_path, "--warps", "4", "--fuse")
-    assert not any(o.startswith("ATOMG.E.ADD") for o in plain["ops"])
-    assert sum(n for o, n in fused["ops"].items() if o.startswith("ATOMG.E.ADD")) == 1
-    assert fused["ops"].get("MEMBAR.ALL.GPU", 0) >= 1 and fused["stack"] == plain["stack"] == 0
-
-
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_two_warpgroups_compile_for_sm90_without_spills(tmp_path):
     """64 heads a CTA: the score MMAs split the heads (N = 32 per warpgroup), p @ V splits the 512
@@ -555,59 +531,3 @@ def test_ds_token_scale_arithmetic_matches_the_oracle():
     assert err < 1e-5, err  # the rescale's rounding alone: 3.8e-7 here (1.3e-6 with groups 2^10 apart)
     flat = (sc == sc[:, :1]).all()
     assert not flat  # the groups really differ within tokens
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("heads,sparse,precision", [(16, False, "fast"), (16, False, "accurate"), (64, False, "fast"),
-                                                    (128, False, "accurate"), (16, True, "fast"), (64, True, "fast"),
-                                                    (48, True, "accurate")])
-def test_gpu_gluon_fused_merge(heads, sparse, precision):
-    """The last split merges (one launch): the oracle, the two-launch merge's output and lse, requests
-    with empty splits (1 token over 7 splits), the counts left at zero for the next call, a CUDA graph
-    replayed twice, and the planned backend with the fused merge on."""
-    lens = [1, 3000, 64, 4097]
-    page = 1 if sparse else 64
-    pool = kvpool.random_pool(1, page * (sum(-(-n // page) for n in lens) + 3), page, seed=heads, device="cuda")
-    batch = (kvpool.sparse_batch_for_pool(pool, lens, 2048, seed=heads + 1) if sparse
-             else kvpool.batch_for_pool(pool, lens, seed=heads + 1))
-    one = batch.with_slots(batch.slots(0)) if sparse else batch
-    qn, qp = kvpool.make_queries(len(lens), heads, seed=heads + 2, device="cuda")
-    ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), one, SM, return_lse=True)
-    tol = TOL_ACCURATE if precision == "accurate" else TOL_GPU_P8
-
-    def call(splits, fused):
-        return G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens, SM,
-                                      pool.scale(0), num_splits=splits, return_lse=True, precision=precision,
-                                      token_indices=one.token_indices, fused_merge=fused)
-    for splits in (2, 7):
-        out, lse = call(splits, True)
-        plain, plain_lse = call(splits, False)
-        assert torch.isfinite(out).all() and reference.rel_err(out, ref) < tol
-        assert reference.rel_err(out, plain) < 4e-3  # the same partials, merged in another order
-        assert float((lse - plain_lse).abs().max()) < 1e-4
-        assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
-        again, _ = call(splits, True)  # the counts were rearmed
-        assert torch.equal(again, out)
-    assert all(int(st["buf"].abs().sum()) == 0 for st in G._counts.values())
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call(7, True)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        g_out, _ = call(7, True)
-    for _ in range(2):
-        g_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert reference.rel_err(g_out, ref) < tol
-    old, G.FUSED_MERGE = G.FUSED_MERGE, True
-    try:
-        name = "fp8_native.gluon_acc" if precision == "accurate" else "fp8_native.gluon"
-        plan = backends.get(name).plan(pool, batch, heads, SM, qn.dtype)
-        assert plan is not None
-        for _ in range(2):
-            assert reference.rel_err(plan.run(qn, qp, 0), ref) < tol
-    finally:
-        G.FUSED_MERGE = old
