@@ -10,7 +10,7 @@ times; profile the last one:
     python3 scripts/ncu_cases.py --stalls OUT/gluon64_sass.csv > OUT/gluon64_stalls.txt   # any machine
 
 Cases (CASES): the Gluon decode dense 64 x 8K at 16 and 64 heads (fast, and accurate at 16), sparse
-top-2048 of 32K at 64 heads (per-tensor and fp8_ds_mla rows) and 128 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer),
+top-2048 of 32K at 16 and 64 heads (per-tensor and fp8_ds_mla rows) and 128 heads; the logits and the top-k at 64 x 32K (GLM-5's indexer),
 the CUDA top-k at 64 x 32K and 1 x 32K. ``--stalls``
 sums a source page's warp-stall samples: the share of each reason, then the instructions that hold
 the most samples.
@@ -63,6 +63,7 @@ CASES = {
     "gluon16_acc": lambda: gluon_case(16, 64, 8192, precision="accurate"),
     "gluon64": lambda: gluon_case(64, 64, 8192),
     "gluon64_sparse": lambda: gluon_case(64, 64, 32768, topk=2048),
+    "gluon16_sparse": lambda: gluon_case(16, 64, 32768, topk=2048),
     "gluon64_sparse_ds": lambda: gluon_case(64, 64, 32768, topk=2048, kv_layout="fp8_ds_mla"),
     "gluon128_sparse": lambda: gluon_case(128, 128, 32768, topk=2048),
     "ws64": lambda: gluon_case(64, 64, 8192, ws=True),  # the warp-specialized kernel (mla_decode_fp8_ws)
