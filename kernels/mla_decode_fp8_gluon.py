@@ -24,7 +24,7 @@ so that V never goes through shared memory a second time:
 * Sparse (``token_indices``): a tile is 64 token slots; their rows come by cp.async (no row gather
   in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size. At 64 heads
   a CTA (per-tensor rows) the slots themselves come by cp.async into a shared-memory ring a ring's
-  length ahead of their rows (``SLOT_RING_WARPS``), so no global load waits in the tile chain.
+  length ahead of their rows (``SLOT_RING``, ``use_slot_ring``), so no global load waits in the tile chain.
 * Sparse on fp8_ds_mla rows (``DS``, 656 B: 512 e4m3 | 4 fp32 group scales | 64 bf16 RoPE): the
   rows' three parts come by cp.async into three rings; each token's groups are brought to its
   largest scale in place in shared memory, a 128-column group at a time (x 2^-k, exact unless a
@@ -253,11 +253,6 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(kpe_tail, [0, 0], bar, kpe_ring.index(slot))
 
     @triton.constexpr_function
-    def _slot_ring(num_warps):
-        """Whether sparse slots go through the shared-memory ring (``SLOT_RING_WARPS``)."""
-        return num_warps == SLOT_RING_WARPS
-
-    @triton.constexpr_function
     def _slot_entries(num_stages):
         """Sparse with a slot ring: tile t's slots sit in ring entry t % this, written NUM_STAGES tiles
         before its rows are gathered and read until its softmax, while the gathers run NUM_STAGES ahead."""
@@ -286,10 +281,10 @@ if HAS_GLUON:
     @gluon.jit
     def _tile_slots(split, tile, layout: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """[64] tile ``tile``'s slots in ``layout``, -1 past the split's end: from the slot ring
-        (``_slot_ring``) or from global memory."""
+        (``SLOT_RING``) or from global memory."""
         start, end = split[2], split[3]
         n = start + tile * 64 + gl.arange(0, 64, layout=layout)
-        if _slot_ring(NUM_WARPS):
+        if len(split) > 6:  # the slot ring (SLOT_RING)
             return gl.where(n < end, split[6].index(tile % _slot_entries(NUM_STAGES)).load(layout), -1)
         return gl.load(split[0] + n, mask=n < end, other=-1)
 
@@ -314,7 +309,7 @@ if HAS_GLUON:
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
             async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + t.to(gl.int64)[:, None] * 576
                                                    + c[None, :], mask=(t >= 0)[:, None])
-            if _slot_ring(NUM_WARPS):
+            if len(split) > 6:  # the slot ring (SLOT_RING)
                 _fetch_slots(split, tile + NUM_STAGES, NUM_STAGES, NUM_WARPS)
         async_copy.commit_group()
 
@@ -597,6 +592,7 @@ if HAS_GLUON:
         SPLIT: gl.constexpr,  # accurate: q and p each as two e4m3 terms (twice the MMAs, V unchanged)
         DS: gl.constexpr = False,  # SPARSE on fp8_ds_mla rows (656 B: 512 e4m3, 4 fp32 scales, 64 bf16)
         PIPE: gl.constexpr = 0,  # the pipelined loop (_pipe_step)
+        SLOT_RING: gl.constexpr = False,  # SPARSE, not DS: the slots by cp.async into a shared-memory ring
     ):
         hblk = gl.program_id(0)  # head blocks fastest: a request's blocks run side by side and share its rows in L2
         b = gl.program_id(1)
@@ -645,7 +641,7 @@ if HAS_GLUON:
         elif SPARSE:
             descs = (kv_ptr, kv_ptr, kv_ptr, kv_ptr)  # unused: rows come by cp.async
             split_ = (tok_ptr + b.to(gl.int64) * topk, kv_ptr, start, end, 0, n_tiles)
-            if _slot_ring(NUM_WARPS):
+            if SLOT_RING:
                 toks = gl.allocate_shared_memory(gl.int32, [_slot_entries(NUM_STAGES), 64],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
                 split_ = split_ + (toks, )
@@ -841,6 +837,18 @@ def block_config(H: int, block_h: int | None = None, num_warps: int | None = Non
     return block_h, 4, GPU_CONFIG if block_h == 16 else GPU_CONFIG_32
 
 
+def use_slot_ring(sparse: bool, ds: bool, num_warps: int, slot_ring: bool | None = None) -> bool:
+    """Whether a sparse launch on per-tensor rows takes its slots through the shared-memory ring:
+    ``slot_ring``, else where the CTA has ``SLOT_RING_WARPS`` warps. ValueError where there are no
+    slots to ring (dense) or the rows are fp8_ds_mla (their own gather)."""
+    if slot_ring and (not sparse or ds):
+        raise ValueError(f"mla_decode_fp8_gluon: slot_ring=True needs sparse slots on fp8_per_tensor rows "
+                         f"(sparse={sparse}, fp8_ds_mla={ds})")
+    if slot_ring is None:
+        return sparse and not ds and num_warps == SLOT_RING_WARPS
+    return bool(slot_ring)
+
+
 def use_pipeline(cfg: dict, block_h: int, sparse: bool, ds: bool, precision: str = "fast",
                  pipeline: bool | None = None) -> bool:
     """Whether the launch takes the pipelined tile loop: ``pipeline``, or the config's default for the
@@ -949,7 +957,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
                          token_indices: torch.Tensor | None = None, precision: str = "fast",
                          max_split_len: int | None = None, kv_layout: str = "fp8_per_tensor",
                          pipeline: bool | None = None, block_h: int | None = None,
-                         part_dtype: torch.dtype | None = None, num_warps: int | None = None):
+                         part_dtype: torch.dtype | None = None, num_warps: int | None = None,
+                         slot_ring: bool | None = None):
     """Paged absorbed-MLA decode over an FP8 e4m3 pool: TMA ring, FP8 wgmma for both products.
 
     Parameters
@@ -977,6 +986,8 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     num_warps : 4 or 8 puts a 16- or 32-head block on one or two warpgroups (``GPU_CONFIG_TWO_WG``);
         None: ``default_warps`` (4 for 16-head blocks but sparse accurate ones on per-tensor rows, else 8).
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
+    slot_ring : sparse, per-tensor rows: the slots by cp.async into a shared-memory ring a ring's
+        length ahead of their rows (``use_slot_ring``; None: with two warpgroups).
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -1009,6 +1020,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
+    ring = use_slot_ring(sparse, ds, num_warps, slot_ring)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)
@@ -1029,7 +1041,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         float(sm_scale) * float(k_scale) * LOG2E, float(v_scale), H, num_splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), o_buf.stride(0), o_buf.stride(1),
         PAGE=page_size, BLOCK_H=block_h, DIRECT=direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
-        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe,
+        SPARSE=sparse, SPLIT=precision == "accurate", DS=ds, PIPE=pipe, SLOT_RING=ring,
         num_warps=num_warps,
     )
     out, lse = (o_buf, lse_buf) if direct else mla_merge(o_buf, lse_buf, q_nope.dtype, float(v_scale))

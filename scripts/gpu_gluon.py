@@ -43,6 +43,9 @@ VARIANTS = {"s2_c2": dict(num_stages=2, ctas_per_sm=2), "s2_c1": dict(num_stages
             "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2),
             # the pipelined tile loop on two warpgroups (no spills at 16-32 heads: sass_sm90.py --warps 8 --pipe)
             "pipe_w8": dict(pipeline=True, num_warps=8), "pipe_w8_s4": dict(pipeline=True, num_warps=8, num_stages=4),
+            # sparse: the slots through the shared-memory ring (slot_ring=True) or by global loads in the chain
+            "ring": dict(slot_ring=True), "noring": dict(slot_ring=False),
+            "w8_noring": dict(num_warps=8, slot_ring=False),
 }
 SPARSE_SHAPES = [(16, 64, 32768, 2048), (32, 64, 32768, 2048), (64, 64, 32768, 2048), (128, 128, 32768, 2048),
                  (128, 64, 32768, 2048), (64, 1, 32768, 2048), (128, 1, 32768, 2048)]  # (heads, requests, context, topk)
@@ -64,7 +67,8 @@ ACC_VARIANTS = {"default": dict(), "nocap": dict(max_split_len=0), "len2048": di
                 "w8": dict(num_warps=8), "fast_w8": dict(precision="fast", num_warps=8),
                 "w4": dict(num_warps=4), "fast_w4": dict(precision="fast", num_warps=4),
                 "w8_s2_c2": dict(num_warps=8, num_stages=2, ctas_per_sm=2),
-                "pipe_w8": dict(pipeline=True, num_warps=8), "fast_pipe_w8": dict(precision="fast", pipeline=True, num_warps=8)}
+                "pipe_w8": dict(pipeline=True, num_warps=8), "fast_pipe_w8": dict(precision="fast", pipeline=True, num_warps=8),
+                "w4_ring": dict(num_warps=4, slot_ring=True), "noring": dict(slot_ring=False)}
 # one request: at 64+ heads the default fills the SMs with splits of one tile or more (GPU_CONFIG_WIDE
 # min_tiles=1: 128 splits at 64 heads, 66 at 128); n32 was the default before (>= 4 tiles a split)
 ONE_REQUEST_ONLY = ("n32", "n64", "n128", "fast_n32", "fast_n64", "fast_n128", "n64_p16", "n128_p16")

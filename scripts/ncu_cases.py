@@ -64,6 +64,7 @@ CASES = {
     "gluon64": lambda: gluon_case(64, 64, 8192),
     "gluon64_sparse": lambda: gluon_case(64, 64, 32768, topk=2048),
     "gluon16_sparse": lambda: gluon_case(16, 64, 32768, topk=2048),
+    "gluon16_sparse_ring": lambda: gluon_case(16, 64, 32768, topk=2048, slot_ring=True),
     "gluon64_sparse_ds": lambda: gluon_case(64, 64, 32768, topk=2048, kv_layout="fp8_ds_mla"),
     "gluon128_sparse": lambda: gluon_case(128, 128, 32768, topk=2048),
     "ws64": lambda: gluon_case(64, 64, 8192, ws=True),  # the warp-specialized kernel (mla_decode_fp8_ws)

@@ -230,6 +230,17 @@ def test_refusals_name_the_rule():
         ((64, 128), 128, (9, 0), (9, 0), False)
 
 
+def test_slot_ring_rule():
+    """The slot ring: asked for, on sparse per-tensor rows only (refused by name elsewhere); by default
+    with two warpgroups."""
+    assert G.use_slot_ring(True, False, 4, True) and not G.use_slot_ring(True, False, 8, False)
+    assert G.use_slot_ring(True, False, G.SLOT_RING_WARPS) and not G.use_slot_ring(True, False, 4)
+    assert not G.use_slot_ring(False, False, 8) and not G.use_slot_ring(True, True, 8)
+    for sparse, ds in ((False, False), (True, True)):
+        with pytest.raises(ValueError, match="slot_ring=True needs sparse slots on fp8_per_tensor rows"):
+            G.use_slot_ring(sparse, ds, 4, True)
+
+
 def test_pipeline_and_block_rules():
     """The pipelined tile loop: on by default at 17-32 heads, dense, fast only; asked for where it is
     not built (fp8_ds_mla, sparse at <= 32 heads, a one-tile ring), refused by name. A forced
@@ -413,11 +424,12 @@ def test_gpu_gluon_sparse(page_size, heads):
     ref, ref_lse = reference.mla_decode(qn, qp, pool.dequant(0, torch.float64), batch, SM, return_lse=True)
     pipes = (False, True) if heads > 32 else (False, )  # pipeline=True is refused on sparse slots <= 32 heads
     w4 = 4 if heads <= 32 else None  # one warpgroup where the block is 16-32 heads
-    for splits, pipeline, warps in [(None, None, None), (None, None, w4), (5, None, w4)] + [
-            (n, p, None) for n in (1, 5) for p in pipes]:
+    for splits, pipeline, warps, ring in [(None, None, None, None), (None, None, w4, None), (5, None, w4, None),
+                                          (5, None, w4, True), (None, None, None, False)] + [
+            (n, p, None, None) for n in (1, 5) for p in pipes]:
         out, lse = G.mla_decode_fp8_gluon(qn, qp, pool.layer(0), batch.kv_indptr, batch.kv_indices, batch.kv_lens,
                                           SM, pool.scale(0), num_splits=splits, return_lse=True, token_indices=slots,
-                                          pipeline=pipeline, num_warps=warps)
+                                          pipeline=pipeline, num_warps=warps, slot_ring=ring)
         assert torch.isfinite(out).all() and reference.rel_err(out, ref) < TOL_GPU_P8
         assert float((lse.double().cpu() - ref_lse.cpu()).abs().max()) < 0.2
     plan = backends.get("fp8_native.gluon").plan(pool, batch, heads, SM, qn.dtype)
