@@ -83,8 +83,9 @@ PRECISIONS = ("fast", "accurate")  # accurate: q and p as two e4m3 terms each
 WIDE_HEADS = 64  # above 32 heads: CTAs of two warpgroups and 64 heads (128 heads: two head blocks)
 # Sparse slots (per-tensor rows) through a shared-memory ring where the CTA has this many warps (64 heads):
 # measured side by side on an H100 (run 17b, top-2048 of 32K): 128 heads 128 requests 181.6 against 201.2
-# us, 64 heads 60.0 against 65.1; at 16-32 heads a draw fast and 15-75% slower accurate (spills), and on
-# fp8_ds_mla rows 4-11% slower (run 17e), so those keep their slots' global loads.
+# us, 64 heads 60.0 against 65.1; on fp8_ds_mla rows 4-11% slower (run 17e), so those keep their slots'
+# global loads. At one warpgroup the ring pays in the fast precision (H200, runs 27b-c, 16 heads 64
+# requests: 33.6-33.8 against 34.8-35.0 us in three calls) and costs the accurate one (spills; run 17b).
 SLOT_RING_WARPS = 8
 
 
@@ -837,15 +838,17 @@ def block_config(H: int, block_h: int | None = None, num_warps: int | None = Non
     return block_h, 4, GPU_CONFIG if block_h == 16 else GPU_CONFIG_32
 
 
-def use_slot_ring(sparse: bool, ds: bool, num_warps: int, slot_ring: bool | None = None) -> bool:
+def use_slot_ring(sparse: bool, ds: bool, num_warps: int, slot_ring: bool | None = None,
+                  precision: str = "fast") -> bool:
     """Whether a sparse launch on per-tensor rows takes its slots through the shared-memory ring:
-    ``slot_ring``, else where the CTA has ``SLOT_RING_WARPS`` warps. ValueError where there are no
-    slots to ring (dense) or the rows are fp8_ds_mla (their own gather)."""
+    ``slot_ring``, else where the CTA has ``SLOT_RING_WARPS`` warps or the precision is fast (see
+    ``SLOT_RING_WARPS``). ValueError where there are no slots to ring (dense) or the rows are
+    fp8_ds_mla (their own gather)."""
     if slot_ring and (not sparse or ds):
         raise ValueError(f"mla_decode_fp8_gluon: slot_ring=True needs sparse slots on fp8_per_tensor rows "
                          f"(sparse={sparse}, fp8_ds_mla={ds})")
     if slot_ring is None:
-        return sparse and not ds and num_warps == SLOT_RING_WARPS
+        return sparse and not ds and (num_warps == SLOT_RING_WARPS or precision == "fast")
     return bool(slot_ring)
 
 
@@ -987,7 +990,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
         None: ``default_warps`` (4 for 16-head blocks but sparse accurate ones on per-tensor rows, else 8).
     part_dtype : dtype of the split partials (torch.float32 or torch.bfloat16); None: ``PART_DTYPE``.
     slot_ring : sparse, per-tensor rows: the slots by cp.async into a shared-memory ring a ring's
-        length ahead of their rows (``use_slot_ring``; None: with two warpgroups).
+        length ahead of their rows (``use_slot_ring``; None: with two warpgroups, or fast).
     max_split_len : at most this many tokens per split (more splits when the default has longer ones);
         None: ``ACCURATE_SPLIT_LEN`` when accurate, no cap when fast; 0: no cap. The FP8 MMA's accumulator keeps
         few bits below the running sum's exponent, so p @ V loses more as a split grows
@@ -1020,7 +1023,7 @@ def mla_decode_fp8_gluon(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: to
     if cfg["num_stages"] not in (1, 2, 3, 4, 5):
         raise ValueError(f"mla_decode_fp8_gluon: num_stages={cfg['num_stages']}; allowed 1..5 (36 KB each)")
     pipe = use_pipeline(cfg, block_h, sparse, ds, precision, pipeline)
-    ring = use_slot_ring(sparse, ds, num_warps, slot_ring)
+    ring = use_slot_ring(sparse, ds, num_warps, slot_ring, precision)
     if v_scale is None:
         v_scale = k_scale
     head_blocks = triton.cdiv(H, block_h)

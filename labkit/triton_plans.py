@@ -207,7 +207,7 @@ def _gluon(pool, batch, num_heads, sm_scale, q_dtype, precision):
                       BLOCK_H=block_h, DIRECT=split.direct, NUM_STAGES=cfg["num_stages"], NUM_WARPS=num_warps,
                       SPARSE=sparse, SPLIT=precision == "accurate", DS=ds,
                       PIPE=G.use_pipeline(cfg, block_h, sparse, ds, precision),
-                      SLOT_RING=G.use_slot_ring(sparse, ds, num_warps), num_warps=num_warps)
+                      SLOT_RING=G.use_slot_ring(sparse, ds, num_warps, precision=precision), num_warps=num_warps)
 
     def run(q_nope, q_pe, layer, b_layer):
         (kv, kv32, kv16), k_scale = views[layer], scales[layer]

@@ -38,7 +38,7 @@ def compile_sm90(block_h: int, stages: int, page: int = 64, sparse: bool = False
     num_warps = 4 if ws else G.block_config(block_h, block_h, warps, "accurate" if split else "fast", sparse, ds)[1]
     consts = dict(PAGE=page, BLOCK_H=block_h, DIRECT=0, NUM_STAGES=stages, NUM_WARPS=num_warps, SPARSE=int(sparse), SPLIT=int(split),
                   DS=int(ds), PIPE=int(pipe), ROWS_LAG=W.ROWS_LAG,
-                  SLOT_RING=int(G.use_slot_ring(sparse, ds, num_warps, slot_ring)))
+                  SLOT_RING=int(G.use_slot_ring(sparse, ds, num_warps, slot_ring, "accurate" if split else "fast")))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--ws", action="store_true", help="the warp-specialized 64-head kernel (mla_decode_fp8_ws)")
     ap.add_argument("--warps", type=int, choices=(4, 8), help="num_warps (4 or 8 at 16-32 heads; default: the launcher's, G.default_warps)")
     ap.add_argument("--slot-ring", action="store_true", default=None,
-                    help="sparse: the slots through the shared-memory ring (default: with two warpgroups)")
+                    help="sparse: the slots through the shared-memory ring (default: use_slot_ring's rule)")
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
     st, sass = stats(compile_sm90(a.block_h, a.stages, sparse=a.sparse, split=a.accurate, pipe=a.pipe, ds=a.ds, ws=a.ws,

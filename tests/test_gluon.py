@@ -232,10 +232,12 @@ def test_refusals_name_the_rule():
 
 def test_slot_ring_rule():
     """The slot ring: asked for, on sparse per-tensor rows only (refused by name elsewhere); by default
-    with two warpgroups."""
+    with two warpgroups, and with one in the fast precision (the accurate one spills with it)."""
     assert G.use_slot_ring(True, False, 4, True) and not G.use_slot_ring(True, False, 8, False)
-    assert G.use_slot_ring(True, False, G.SLOT_RING_WARPS) and not G.use_slot_ring(True, False, 4)
+    assert G.use_slot_ring(True, False, G.SLOT_RING_WARPS, precision="accurate")
+    assert G.use_slot_ring(True, False, 4) and not G.use_slot_ring(True, False, 4, precision="accurate")
     assert not G.use_slot_ring(False, False, 8) and not G.use_slot_ring(True, True, 8)
+    assert not G.use_slot_ring(True, True, 4)
     for sparse, ds in ((False, False), (True, True)):
         with pytest.raises(ValueError, match="slot_ring=True needs sparse slots on fp8_per_tensor rows"):
             G.use_slot_ring(sparse, ds, 4, True)
@@ -328,9 +330,10 @@ def test_pipelined_loop_keeps_its_mmas_in_flight(tmp_path):
 
 @pytest.mark.skipif(not G.HAS_GLUON, reason="this Triton has no Gluon")
 def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_path):
-    """Sparse on two warpgroups (64 heads a CTA, and 16 accurate by default): the slots come through the
-    shared-memory ring (cp.async), so the only global loads left are the query's (16-bit), and nothing
-    spills; on one warpgroup the slots come by global loads; the fp8_ds_mla rows' group rescale in shared
+    """Sparse on two warpgroups (64 heads a CTA, and 16 accurate by default) and fast on one: the slots
+    come through the shared-memory ring (cp.async), so the only global loads left are the query's
+    (16-bit), and nothing spills; accurate on one warpgroup the slots come by global loads; the
+    fp8_ds_mla rows' group rescale in shared
     memory leaves no spill either (it held the whole tile in fp16 registers before, 24 bytes of stack at
     16 heads and 56 at 64)."""
     def stats(*args):
@@ -342,7 +345,10 @@ def test_sparse_slots_and_ds_rescale_compile_without_global_waits_or_spills(tmp_
         assert set(loads) == {"LDG.E.U16"} and wide["stack"] == 0, (block_h, loads, wide["stack"])
         assert wide["ops"].get("LDGSTS.E", 0) > 0  # the slots' copies (4 bytes here: topk's alignment unknown)
     narrow = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--warps", "4")
-    assert narrow["ops"].get("LDG.E", 0) > 0  # one warpgroup: the slots by global loads (the ring lost there)
+    loads = {k: v for k, v in narrow["ops"].items() if k.startswith("LDG.")}
+    assert set(loads) == {"LDG.E.U16"} and narrow["stack"] == 0, (loads, narrow["stack"])  # fast: the ring too
+    narrow = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--warps", "4", "--accurate")
+    assert narrow["ops"].get("LDG.E", 0) > 0  # accurate, one warpgroup: the slots by global loads (the ring spills)
     for warps in ("4", "8"):
         ds = stats("--block-h", "16", "--stages", str(G.GPU_CONFIG["num_stages"]), "--ds", "--warps", warps)
         assert ds["stack"] == 0 and any(k.startswith("HMUL2") for k in ds["ops"]), (warps, ds["stack"], ds["ops"])
