@@ -22,9 +22,10 @@ so that V never goes through shared memory a second time:
   The relabelling is undone when the output is written (a free reshape, then one pass through
   shared memory so that the partials leave in 16-byte stores).
 * Sparse (``token_indices``): a tile is 64 token slots; their rows come by cp.async (no row gather
-  in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size. At 64 heads
-  a CTA (per-tensor rows) the slots themselves come by cp.async into a shared-memory ring a ring's
-  length ahead of their rows (``SLOT_RING``, ``use_slot_ring``), so no global load waits in the tile chain.
+  in TMA) into the same ring, -1 slots zero-filled and their scores -inf; any page size. On
+  per-tensor rows (two warpgroups, or fast on one) the slots themselves come by cp.async into a
+  shared-memory ring a ring's length ahead of their rows (``SLOT_RING``, ``use_slot_ring``), so no
+  global load waits in the tile chain.
 * Sparse on fp8_ds_mla rows (``DS``, 656 B: 512 e4m3 | 4 fp32 group scales | 64 bf16 RoPE): the
   rows' three parts come by cp.async into three rings; each token's groups are brought to its
   largest scale in place in shared memory, a 128-column group at a time (x 2^-k, exact unless a
@@ -280,7 +281,7 @@ if HAS_GLUON:
         _cta_barrier()
 
     @gluon.jit
-    def _tile_slots(split, tile, layout: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def _tile_slots(split, tile, layout: gl.constexpr, NUM_STAGES: gl.constexpr):
         """[64] tile ``tile``'s slots in ``layout``, -1 past the split's end: from the slot ring
         (``SLOT_RING``) or from global memory."""
         start, end = split[2], split[3]
@@ -293,7 +294,7 @@ if HAS_GLUON:
     def _gather(ring, split, tile, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Sparse: the 576-byte rows of tile ``tile``'s 64 token slots by cp.async (16 bytes a thread a
         copy; TMA has no row gather) into its ring slot; a -1 slot or one past the split's end is
-        zero-filled. With a slot ring (64 heads) the slots come from shared memory, fetched NUM_STAGES
+        zero-filled. With a slot ring (SLOT_RING) the slots come from shared memory, fetched NUM_STAGES
         tiles earlier (with this call's rows: tile + NUM_STAGES's), so that no global load waits in
         the tile chain. One commit group per call, empty past the last tile, so the groups count tiles."""
         kv_ptr, n_tiles = split[1], split[5]
@@ -302,11 +303,11 @@ if HAS_GLUON:
             slot = tile % NUM_STAGES
             cl: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])  # a warp: one 512 B row
             pl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])  # a warp: 8 rows of 64 B
-            t = _tile_slots(split, tile, gl.SliceLayout(1, cl), NUM_STAGES, NUM_WARPS)
+            t = _tile_slots(split, tile, gl.SliceLayout(1, cl), NUM_STAGES)
             c = gl.arange(0, 512, layout=gl.SliceLayout(0, cl))
             async_copy.async_copy_global_to_shared(ckv_ring.index(slot), kv_ptr + t.to(gl.int64)[:, None] * 576
                                                    + c[None, :], mask=(t >= 0)[:, None])
-            t = _tile_slots(split, tile, gl.SliceLayout(1, pl), NUM_STAGES, NUM_WARPS)
+            t = _tile_slots(split, tile, gl.SliceLayout(1, pl), NUM_STAGES)
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, pl))
             async_copy.async_copy_global_to_shared(kpe_ring.index(slot), kv_ptr + 512 + t.to(gl.int64)[:, None] * 576
                                                    + c[None, :], mask=(t >= 0)[:, None])
@@ -401,7 +402,7 @@ if HAS_GLUON:
         s = s * qk_scale
         if MASKED:  # rows past the split's end (zeros from the tail descriptor), sparse -1 slots: -inf
             if SPARSE:  # -1 past the end too
-                valid = _tile_slots(split, tile, gl.SliceLayout(1, s.type.layout), NUM_STAGES, NUM_WARPS) >= 0
+                valid = _tile_slots(split, tile, gl.SliceLayout(1, s.type.layout), NUM_STAGES) >= 0
             else:
                 valid = split[2] + tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout)) < split[3]
             s = gl.where(valid[:, None], s, -float("inf"))
