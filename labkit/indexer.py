@@ -22,7 +22,7 @@ folded into the head weights (relu(s x) = s relu(x) for s > 0), as DeepSeek-V3.2
 indexer does. Three implementations of the logits: "reference" (float64 on the same FP8 values),
 "torch" (keys widened, einsum, relu, weighted sum) and "triton" (labkit.kernels.index_logits,
 reading the paged cache directly). Slots: int32 [B, index_topk] global token ids, validated by
-``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Two
+``check_slots``; ``Indexer.step_slots`` gives [num_layers, B, index_topk] for ``DecodeBatch``. Three
 implementations of the top-k (``topk_impl``): "torch" (``torch.topk``), "triton"
 (labkit.kernels.topk_select) and, on CUDA only, "cuda" (labkit.kernels.topk_cuda); None picks
 ``default_topk_impl``: where it measured faster.

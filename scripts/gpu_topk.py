@@ -113,7 +113,7 @@ class Case:
     def index(self, layer: int, **tuning) -> torch.Tensor:
         return logits_triton(self.q_idx[layer], self.weights[layer], self.cache, layer, self.batch, **tuning)
 
-    def triton_topk(self, logits, impl: str = "triton", **kw) -> torch.Tensor:
+    def select_slots(self, logits, impl: str = "triton", **kw) -> torch.Tensor:
         """topk_select (impl "triton") or topk_cuda (impl "cuda") with ``kw``."""
         b, fn = self.batch, topk_cuda if impl == "cuda" else topk_select
         return fn(logits, b.kv_lens, b.kv_indptr, b.kv_indices, b.page_size, self.topk, **kw)
@@ -170,15 +170,15 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
         case = Case(cfg, B, ctx, a.layers, a.device)
         L = case.logits
         row["splits"] = auto_splits(B, ctx, a.device)
-        row["agree"] = agreement(case, case.triton_topk(L[0]), L[0])
+        row["agree"] = agreement(case, case.select_slots(L[0]), L[0])
         row["requests"] = B
         t = {
             "logits_us": lambda i: case.index(i),
             "torch_topk_us": lambda i: torch.topk(L[i], case.topk, dim=1, sorted=False),
             "torch_select_us": lambda i: case.torch_topk(L[i]),
-            "triton_topk_us": lambda i: case.triton_topk(L[i]),
+            "triton_topk_us": lambda i: case.select_slots(L[i]),
             "total_torch_us": lambda i: case.torch_topk(case.index(i)),
-            "total_triton_us": lambda i: case.triton_topk(case.index(i)),
+            "total_triton_us": lambda i: case.select_slots(case.index(i)),
             "total_cand_us": lambda i: case.candidates(i, a.cand_sample),
         }
         row["cand_sample"] = a.cand_sample
@@ -207,9 +207,9 @@ def measure(cfg, B: int, ctx: int, a, tunings: dict) -> list[dict]:
                 r["total_cand_us"] = graph_us(lambda i: case.candidates(i, kw["cand"], run, sel), a)
                 rows.append(r)
                 continue
-            r["agree"] = agreement(case, case.triton_topk(L[0], **kw), L[0])
-            r["triton_topk_us"] = graph_us(lambda i: case.triton_topk(L[i], **kw), a)
-            r["total_triton_us"] = graph_us(lambda i: case.triton_topk(case.index(i), **kw), a)
+            r["agree"] = agreement(case, case.select_slots(L[0], **kw), L[0])
+            r["triton_topk_us"] = graph_us(lambda i: case.select_slots(L[i], **kw), a)
+            r["total_triton_us"] = graph_us(lambda i: case.select_slots(case.index(i), **kw), a)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(r)

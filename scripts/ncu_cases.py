@@ -55,7 +55,7 @@ def indexer_case(part: str, B: int = 64, ctx: int = 32768, **kw):
     case = gpu_topk.Case(config.load_model("glm5"), B, ctx, layers=1, device="cuda")
     if part == "logits":
         return lambda: case.index(0)
-    return lambda: case.triton_topk(case.logits[0], **kw)
+    return lambda: case.select_slots(case.logits[0], **kw)
 
 
 CASES = {
